@@ -1,0 +1,24 @@
+"""Backends and the registry that chooses among them (DESIGN.md §3).
+
+Priority under ``"auto"``: ``triton`` (CUDA/ROCm), ``ascend`` (NPU), ``torch`` (anything);
+``reference`` only when asked for.
+"""
+
+from .base import Backend, LossSpec, Problem
+from .reference import ReferenceBackend
+from .registry import backend_names, explain, get_backend, register, resolve
+from .torch_chunked import TorchBackend
+
+register(ReferenceBackend())
+register(TorchBackend())
+
+__all__ = [
+    "Backend",
+    "LossSpec",
+    "Problem",
+    "backend_names",
+    "explain",
+    "get_backend",
+    "register",
+    "resolve",
+]

@@ -1,0 +1,305 @@
+"""The public loss: :func:`fused_linear_cross_entropy` and :class:`FusedLinearCrossEntropyLoss`.
+
+This module validates and normalises a call once (options, shapes, dtypes, autocast, shift,
+labels, reduction) and hands a flat :class:`~fused_ce_patch.backends.Problem` to one backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import backends
+from .backends.base import LossSpec, Problem
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    shift: bool = False,
+    softcap: float | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logits_budget: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` without storing the
+    ``[N, V]`` logits.
+
+    Per counted position (label != ``ignore_index``), with logits ``z`` (softcapped to
+    ``c * tanh(z / c)`` when ``softcap=c``)::
+
+        loss = LSE(z) - z_y
+             + label_smoothing * (mean_v(LSE - z_v) - (LSE - z_y))
+             + z_loss * LSE**2
+
+    Args:
+        hidden: ``[..., H]`` float16, bfloat16, float32 or float64 last hidden states.
+        weight: ``[V, H]`` lm_head weight, same dtype and device as ``hidden`` (outside
+            autocast; under ``torch.autocast`` both are cast as ``lm_head(hidden)`` would be,
+            and gradients flow back to the original parameters).
+        labels: ``[...]`` (``hidden.shape[:-1]``) integer class indices in ``[0, V)`` or
+            ``ignore_index``; int64, int32 accepted.
+        bias: ``[V]`` lm_head bias, or None.
+        ignore_index: label value of positions that add nothing to the loss, the counts or
+            any gradient.
+        reduction: ``"mean"`` (over counted positions; 0.0 with zero gradients when none is
+            counted, unlike torch's NaN), ``"sum"``, or ``"none"`` (``labels``-shaped losses,
+            0 at ignored positions, float32).
+        num_items_in_batch: if given (int, or a tensor with one element on any device and of
+            any number dtype), the result is ``sum / num_items_in_batch`` — transformers'
+            convention for exact gradient accumulation. Values below 1 count as 1. Not allowed
+            with ``reduction="none"``.
+        shift: causal shift: position ``t`` predicts ``labels[..., t + 1]``; the last position
+            of each sequence predicts nothing. Leave False for labels that are already shifted
+            (transformers' ``shift_labels``).
+        softcap: final-logit softcapping ``c > 0`` (Gemma-2 uses 30), or None.
+        label_smoothing: ``eps`` in ``[0, 1]``, torch's definition.
+        z_loss: ``lambda >= 0`` of the PaLM z-loss ``lambda * LSE**2`` (Chowdhery et al.,
+            "PaLM", 2022).
+        logits_budget: bytes of transient logits one chunk may hold; 0 keeps none (tiles live
+            on chip only where the backend can do that); None takes the backend's default.
+        backend: ``"auto"``, ``"triton"``, ``"ascend"``, ``"torch"`` or ``"reference"``
+            (``$FUSED_CE_BACKEND`` overrides ``"auto"``).
+
+    Returns:
+        A 0-d float32 loss (float64 for float64 inputs), or ``labels``-shaped per-position
+        losses with ``reduction="none"``.
+
+    Raises:
+        ValueError: a label outside ``[0, V)`` that is not ``ignore_index`` (names the value
+            and V); mismatched shapes (names both); unknown reduction or backend (lists the
+            valid ones); an option out of range.
+        TypeError: ``hidden``, ``weight`` and ``bias`` dtypes differ outside autocast; labels
+            not integer; inputs not floating point.
+        BackendUnavailableError: the requested backend cannot run on this device.
+
+    Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024) for
+    the blockwise log-sum-exp; PyTorch ``F.cross_entropy`` and transformers' ``ForCausalLMLoss``
+    for the reduction, label smoothing and ``num_items_in_batch`` semantics.
+    """
+    _check_options(
+        reduction, backend, num_items_in_batch, softcap, label_smoothing, z_loss, logits_budget
+    )
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    _check_tensors(hidden, weight, labels, bias)
+    if labels.dtype != torch.int64:
+        labels = labels.long()
+    if shift:
+        labels = _shift(labels, ignore_index)
+    flat_labels = labels.reshape(-1)
+    valid_rows, n_valid = _check_labels(flat_labels, weight.shape[0], ignore_index)
+
+    impl = backends.resolve(backend, hidden.device, hidden.dtype)
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    problem = Problem(
+        hidden=hidden,
+        weight=weight,
+        bias=bias,
+        labels=flat_labels,
+        valid_rows=valid_rows,
+        n_valid=n_valid,
+        spec=LossSpec(
+            ignore_index=ignore_index,
+            softcap=None if softcap is None else float(softcap),
+            label_smoothing=float(label_smoothing),
+            z_loss=float(z_loss),
+        ),
+        reduction="none" if reduction == "none" else "sum",
+        scale=_scale(reduction, num_items_in_batch, n_valid, hidden.device, acc),
+        logits_budget=logits_budget,
+    )
+    with torch.autocast(hidden.device.type, enabled=False):
+        out = impl.run(problem)
+    if reduction == "none":
+        return out.view(labels.shape)
+    return out
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """Module form of :func:`fused_linear_cross_entropy`; options are fixed at construction.
+
+    ``forward(hidden, weight, labels, bias=None, num_items_in_batch=None)`` takes the same
+    tensors as the function (argument order of ``torch.nn.functional.linear``).
+    """
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        shift: bool = False,
+        softcap: float | None = None,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        logits_budget: int | None = None,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        _check_options(reduction, backend, None, softcap, label_smoothing, z_loss, logits_budget)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.shift = shift
+        self.softcap = softcap
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.logits_budget = logits_budget
+        self.backend = backend
+
+    def forward(self, hidden, weight, labels, bias=None, num_items_in_batch=None):
+        return fused_linear_cross_entropy(
+            hidden,
+            weight,
+            labels,
+            bias=bias,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            num_items_in_batch=num_items_in_batch,
+            shift=self.shift,
+            softcap=self.softcap,
+            label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss,
+            logits_budget=self.logits_budget,
+            backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        opts = []
+        for name in ("reduction", "ignore_index", "shift", "softcap", "label_smoothing",
+                     "z_loss", "logits_budget", "backend"):
+            opts.append(f"{name}={getattr(self, name)!r}")
+        return ", ".join(opts)
+
+
+# -- validation and normalisation ------------------------------------------------------------
+
+
+def _check_options(reduction, backend, num_items, softcap, label_smoothing, z_loss, budget):
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(REDUCTIONS)}")
+    if backend not in backends.backend_names():
+        raise ValueError(
+            f"unknown backend {backend!r}; valid: {', '.join(backends.backend_names())}"
+        )
+    if num_items is not None:
+        if reduction == "none":
+            raise ValueError("num_items_in_batch cannot be combined with reduction='none'")
+        if isinstance(num_items, bool) or not isinstance(num_items, (int, torch.Tensor)):
+            raise TypeError(
+                f"num_items_in_batch must be an int or a one-element tensor, "
+                f"got {type(num_items).__name__}"
+            )
+        if isinstance(num_items, torch.Tensor) and num_items.numel() != 1:
+            raise ValueError(
+                f"num_items_in_batch must hold one number, got shape {tuple(num_items.shape)}"
+            )
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not z_loss >= 0.0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               or budget < 0):
+        raise ValueError(f"logits_budget must be None or an int >= 0 (bytes), got {budget!r}")
+
+
+def _autocast(hidden, weight, bias):
+    """Cast as ``lm_head(hidden)`` would be under autocast; autograd flows through the cast."""
+    device_type = hidden.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t):
+        if t is None or not t.is_floating_point() or t.dtype == torch.float64:
+            return t
+        return t.to(dtype)
+
+    return cast(hidden), cast(weight), cast(bias)
+
+
+def _check_tensors(hidden, weight, labels, bias):
+    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError("hidden and weight must be tensors")
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be an integer tensor, got {type(labels).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden [..., H] and weight [V, H] disagree on H: hidden {tuple(hidden.shape)}, "
+            f"weight {tuple(weight.shape)}"
+        )
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"labels must have hidden's leading shape: labels {tuple(labels.shape)}, "
+            f"hidden {tuple(hidden.shape)} (expected {tuple(hidden.shape[:-1])})"
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(
+            f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)} "
+            f"(weight {tuple(weight.shape)})"
+        )
+    if not hidden.is_floating_point() or not weight.is_floating_point():
+        raise TypeError(
+            f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}"
+        )
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != hidden.dtype:
+            raise TypeError(
+                f"hidden is {hidden.dtype} but {name} is {t.dtype}; cast one of them, or run "
+                f"under torch.autocast to cast both as lm_head would"
+            )
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        raise TypeError(f"labels must be an integer tensor (int64 or int32), got {labels.dtype}")
+    for name, t in (("weight", weight), ("labels", labels), ("bias", bias)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"hidden is on {hidden.device} but {name} is on {t.device}")
+
+
+def _shift(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    if labels.dim() < 1:
+        raise ValueError("shift=True needs labels with a sequence dimension")
+    pad = labels.new_full((*labels.shape[:-1], 1), ignore_index)
+    return torch.cat([labels[..., 1:], pad], dim=-1)
+
+
+def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int):
+    """Indices of counted rows and their number; raises on an out-of-range label.
+
+    Costs one fused min/max reduction and one host synchronisation (shared with the
+    ``nonzero`` that lists the counted rows).
+    """
+    counted = labels != ignore_index
+    lo_hi = torch.aminmax(torch.where(counted, labels, 0)) if labels.numel() else None
+    valid_rows = counted.nonzero().squeeze(1)
+    n_valid = valid_rows.shape[0]
+    if lo_hi is not None and n_valid:
+        lo, hi = (int(v) for v in torch.stack(lo_hi).tolist())
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"label {bad} is outside [0, V) with V = {vocab} and is not "
+                f"ignore_index = {ignore_index}"
+            )
+    return valid_rows, n_valid
+
+
+def _scale(reduction, num_items, n_valid, device, dtype):
+    if num_items is not None:
+        if isinstance(num_items, torch.Tensor):
+            n = num_items.detach().reshape(()).to(device=device, dtype=dtype, non_blocking=True)
+            return 1.0 / n.clamp(min=1)
+        return 1.0 / max(int(num_items), 1)
+    if reduction == "mean":
+        return 1.0 / max(n_valid, 1)
+    return 1.0
