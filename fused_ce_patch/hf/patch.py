@@ -1,0 +1,420 @@
+"""Turning the fused loss on and off: per instance, per architecture class.
+
+- :func:`apply_fused_ce` / :func:`revert_fused_ce` patch one model instance (plain, PEFT-wrapped,
+  DDP/FSDP/compiled, or already prepared by accelerate). The patch lives in the instance's
+  ``__dict__`` (``forward`` plus a state attribute), so other instances of the class are left
+  alone, applying twice is a no-op, and reverting restores the exact objects found.
+- ``apply_fused_ce_to_<arch>()`` patch the architecture class itself (every instance, like
+  Liger's ``apply_liger_kernel_to_<arch>``); :func:`revert_fused_ce` given the class undoes it.
+
+While any patch is active, ``LOSS_MAPPING``'s causal-LM entries point at
+:func:`~fused_ce_patch.hf.loss_mapping.chunked_causal_lm_loss`; reverting the last patch
+restores the original objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from types import MethodType
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from . import loss_mapping
+from .architectures import ARCHITECTURES, ArchSpec, supported_model_types
+from .forward import (
+    STATE_ATTR,
+    FusedCEOptions,
+    class_slot,
+    is_patched_forward,
+    patched_forward,
+    stock_forward_of,
+)
+from .head import check_head
+
+__all__ = [
+    "apply_fused_ce",
+    "revert_fused_ce",
+    "apply_fused_ce_to_llama",
+    "apply_fused_ce_to_qwen2",
+    "apply_fused_ce_to_gemma2",
+    "apply_fused_ce_to_gemma3",
+    "apply_fused_ce_to_mistral",
+    "is_fused_ce_applied",
+    "FusedCEOptions",
+]
+
+logger = logging.getLogger(__name__)
+
+class _Missing:
+    """Marks "no entry in the instance __dict__"; survives copy/deepcopy/pickle as itself."""
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return "_MISSING"
+
+    def __repr__(self):
+        return "<missing>"
+
+
+_MISSING = _Missing()
+_PATCHED_INSTANCES: weakref.WeakSet = weakref.WeakSet()
+_PATCHED_CLASSES: set = set()
+
+
+class _InstanceState:
+    __slots__ = ("options", "slot", "previous", "installed", "__weakref__")
+
+    def __init__(self, options, slot, previous, installed):
+        self.options = options
+        self.slot = slot  # "forward", or "_old_forward" under accelerate dispatch hooks
+        self.previous = previous  # what was in the instance __dict__ under `slot` before
+        self.installed = installed  # what apply_fused_ce put there
+
+
+def _make_options(backend, logits_budget, return_logits) -> FusedCEOptions:
+    from ..backends import backend_names
+
+    if backend not in backend_names():
+        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(backend_names())}")
+    if logits_budget is not None and (
+        isinstance(logits_budget, bool) or not isinstance(logits_budget, int) or logits_budget < 0
+    ):
+        raise ValueError(
+            f"logits_budget must be None or an int >= 0 (bytes), got {logits_budget!r}"
+        )
+    return FusedCEOptions(backend=backend, logits_budget=logits_budget,
+                          return_logits=bool(return_logits))
+
+
+# -- finding the causal LM inside wrappers ---------------------------------------------------
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers causal LM inside ``model``'s wrappers.
+
+    Peels ``torch.compile`` (``_orig_mod``), DDP / DataParallel / FSDP / DeepSpeed engines
+    (``.module``) and PEFT (``PeftModel.get_base_model()``, ``PeftMixedModel``, a bare tuner's
+    ``.model``), in any nesting.
+    """
+    wrappers = [nn.parallel.DistributedDataParallel, nn.DataParallel]
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrappers.append(FullyShardedDataParallel)
+    except ImportError:
+        pass
+    if "deepspeed" in sys.modules:
+        wrappers.append(sys.modules["deepspeed"].DeepSpeedEngine)
+    peft = sys.modules.get("peft")
+    for _ in range(16):
+        if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            model = model._orig_mod  # torch.compile(model)
+        elif isinstance(model, tuple(wrappers)):
+            model = model.module
+        elif peft is not None and isinstance(model, peft.PeftModel):
+            model = model.get_base_model()
+        elif peft is not None and isinstance(model, getattr(peft, "PeftMixedModel", ())):
+            model = model.base_model.model
+        elif peft is not None and isinstance(model, peft.tuners.tuners_utils.BaseTuner):
+            model = model.model
+        else:
+            return model
+    return model
+
+
+def _spec_for(model: nn.Module) -> ArchSpec:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    spec = ARCHITECTURES.get(model_type)
+    if spec is None or not isinstance(model, spec.model_class()):
+        what = f"model_type {model_type!r}" if model_type else "no config.model_type"
+        raise UnsupportedModelError(
+            f"fused_ce_patch cannot patch {type(model).__name__} ({what}); supported: "
+            + ", ".join(
+                f"{s.class_name} (model_type {t!r})" for t, s in ARCHITECTURES.items()
+            )
+        )
+    return spec
+
+
+def _stock_forward(cls: type, spec: ArchSpec):
+    """The architecture's own forward, checking that ``cls`` does not override it."""
+    arch_cls = spec.model_class()
+    stock = stock_forward_of(arch_cls.__dict__["forward"])
+    if stock_forward_of(cls.forward) is not stock:
+        raise UnsupportedModelError(
+            f"{cls.__qualname__} overrides {arch_cls.__name__}.forward; fused_ce_patch only "
+            f"patches the stock forward of: {', '.join(supported_model_types())}"
+        )
+    return stock
+
+
+# -- accelerate's mixed-precision forward wrapper --------------------------------------------
+
+
+def _chain(fn):
+    """``fn`` and everything reachable through ``__wrapped__`` / ``__func__`` (bounded)."""
+    out = []
+    while fn is not None and len(out) < 32:
+        out.append(fn)
+        fn = getattr(fn, "__func__", None) or getattr(fn, "__wrapped__", None)
+    return out
+
+
+def _closure_values(fn):
+    values = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # empty cell
+            pass
+    return values
+
+
+def _rewrap_accelerate_amp(current, patched, model):
+    """Rebuild accelerate's autocast + fp32-output wrapper around ``patched``.
+
+    ``Accelerator.prepare`` (native AMP) replaces ``model.forward`` with
+    ``convert_outputs_to_fp32(autocast(<class forward>))`` bound to the instance
+    (accelerate 1.x ``prepare_model``), binding the forward it found at that moment. To patch
+    a model prepared earlier, the same autocast object is reused around the patched forward.
+    Returns None when ``current`` is not such a wrapper.
+    """
+    if "_original_forward" not in model.__dict__ or not isinstance(current, MethodType):
+        return None
+    for fn in _chain(current):
+        values = _closure_values(fn)
+        autocast = next((v for v in values if isinstance(v, torch.autocast)), None)
+        if autocast is None:
+            continue
+        inner = next((v for v in values if callable(v) and not isinstance(v, torch.autocast)),
+                     None)
+        if stock_forward_of(inner) is not stock_forward_of(patched):
+            return None
+        from accelerate.utils import convert_outputs_to_fp32
+
+        return MethodType(convert_outputs_to_fp32(autocast(patched)), model)
+    return None
+
+
+# -- public API ------------------------------------------------------------------------------
+
+
+def apply_fused_ce(
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    logits_budget: int | None = None,
+    return_logits: bool = False,
+) -> nn.Module:
+    """Route one model instance's training loss through the fused linear-cross-entropy.
+
+    Patches the causal LM inside ``model`` (PEFT, DDP/FSDP, ``torch.compile`` and accelerate
+    wrappers are looked through) so that a training forward with labels computes the loss from
+    the last hidden states and the lm_head weight, and returns
+    :class:`~fused_ce_patch.hf.sentinel.NotMaterializedLogits` as ``outputs.logits``.
+    Evaluation, no-grad calls, ``generate()`` and calls without labels return exactly the stock
+    output. Other instances of the same class are not affected. Patch before
+    ``accelerator.prepare`` / ``Trainer.train`` where you can (a model prepared earlier is
+    handled by rebuilding accelerate's autocast wrapper around the patched forward).
+
+    Args:
+        model: a supported causal LM (``config.model_type`` in llama, qwen2, mistral, gemma2,
+            gemma3_text), possibly wrapped.
+        backend: backend of :func:`~fused_ce_patch.fused_linear_cross_entropy`.
+        logits_budget: bytes of transient logits one chunk may hold (None: backend default).
+        return_logits: keep the stock path everywhere (real logits; no memory saving) while
+            still using the chunked ``LOSS_MAPPING`` loss. ``$FUSED_CE_RETURN_LOGITS=1`` does
+            the same for every patched model, read at each call.
+
+    Returns:
+        ``model`` itself (patched in place). Applying again is a no-op apart from taking the
+        new options.
+
+    Raises:
+        UnsupportedModelError: unsupported architecture or head (lists what is supported; DoRA
+            or other PEFT tuners on lm_head, quantised heads), a subclass that overrides the
+            stock forward, or an instance forward replaced by something else.
+        ValueError: unknown backend or bad ``logits_budget``.
+    """
+    options = _make_options(backend, logits_budget, return_logits)
+    target = unwrap_causal_lm(model)
+    spec = _spec_for(target)
+    stock = _stock_forward(type(target), spec)
+    check_head(target.get_output_embeddings())
+
+    state = target.__dict__.get(STATE_ATTR)
+    if state is not None:
+        state.options = options
+        return model
+
+    patched = patched_forward(stock, spec)
+    # accelerate's dispatch hooks (device_map over several devices) keep the model's own
+    # forward in `_old_forward` and call it from a hook wrapper: patch that slot instead.
+    hooked = "_hf_hook" in target.__dict__ and "_old_forward" in target.__dict__
+    slot = "_old_forward" if hooked else "forward"
+    previous = target.__dict__.get(slot, _MISSING)
+    if previous is _MISSING:
+        installed = MethodType(patched, target)
+    elif any(fn is patched for fn in _chain(previous)):
+        # Our forward is already inside (e.g. accelerate prepared a patched model that was
+        # later reverted): only the state is missing.
+        installed = previous
+    elif hooked and stock_forward_of(getattr(previous, "__func__", None)) is stock:
+        installed = MethodType(patched, target)
+    else:
+        installed = None if hooked else _rewrap_accelerate_amp(previous, patched, target)
+        if installed is None:
+            raise UnsupportedModelError(
+                f"{type(target).__name__}.forward was replaced on this instance by "
+                f"{previous!r}; apply fused_ce_patch before other forward patches"
+            )
+    target.__dict__[slot] = installed
+    target.__dict__[STATE_ATTR] = _InstanceState(options, slot, previous, installed)
+    _PATCHED_INSTANCES.add(target)
+    loss_mapping.register()
+    return model
+
+
+def revert_fused_ce(model=None):
+    """Undo :func:`apply_fused_ce` on an instance, an ``apply_fused_ce_to_*`` on a class, or all.
+
+    Args:
+        model: a model patched by :func:`apply_fused_ce` (wrappers are looked through), a
+            class patched by ``apply_fused_ce_to_<arch>()``, or None to undo every patch.
+
+    Returns:
+        ``model``. Reverting something not patched is a no-op.
+
+    The exact objects found at apply time come back: the instance's ``forward`` entry (or its
+    absence), the class's ``forward``, and, once no patch is left, the ``LOSS_MAPPING`` entries
+    and ``ForCausalLMLoss`` names. If accelerate wrapped the patched forward after
+    :func:`apply_fused_ce`, its wrapper stays in place but the patched forward inside it now
+    behaves exactly as the stock forward.
+    """
+    if model is None:
+        for inst in list(_PATCHED_INSTANCES):
+            _revert_instance(inst)
+        for cls in list(_PATCHED_CLASSES):
+            _revert_class(cls)
+    elif isinstance(model, type):
+        _revert_class(model)
+    else:
+        _revert_instance(unwrap_causal_lm(model))
+    if not _PATCHED_INSTANCES and not _PATCHED_CLASSES:
+        loss_mapping.unregister()
+    return model
+
+
+def _revert_instance(target):
+    state = target.__dict__.pop(STATE_ATTR, None)
+    _PATCHED_INSTANCES.discard(target)
+    if state is None:
+        return
+    if target.__dict__.get(state.slot, _MISSING) is state.installed:
+        if state.previous is _MISSING:
+            del target.__dict__[state.slot]
+        else:
+            target.__dict__[state.slot] = state.previous
+    else:
+        logger.info(
+            "fused_ce_patch: %s.forward was wrapped again after apply_fused_ce (e.g. by "
+            "accelerate); the patched forward stays inside that wrapper and now runs the stock "
+            "forward", type(target).__name__,
+        )
+
+
+def _revert_class(cls):
+    current = cls.__dict__.get("forward")
+    if current is None or not is_patched_forward(current):
+        return
+    stock = stock_forward_of(current)
+    class_slot(stock).options = None
+    cls.forward = stock
+    _PATCHED_CLASSES.discard(cls)
+
+
+def is_fused_ce_applied(model) -> bool:
+    """True if ``model`` (an instance, wrappers looked through, or a class) is patched."""
+    if isinstance(model, type):
+        return model in _PATCHED_CLASSES
+    target = unwrap_causal_lm(model)
+    if target.__dict__.get(STATE_ATTR) is not None:
+        return True
+    return any(c in _PATCHED_CLASSES for c in type(target).__mro__)
+
+
+def _apply_to_class(model_type: str, model, backend, logits_budget, return_logits):
+    spec = ARCHITECTURES[model_type]
+    if model is not None:
+        target = unwrap_causal_lm(model)
+        if _spec_for(target) is not spec:
+            raise UnsupportedModelError(
+                f"apply_fused_ce_to_{model_type.split('_')[0]} got a "
+                f"{type(target).__name__} (model_type {target.config.model_type!r})"
+            )
+        return apply_fused_ce(model, backend=backend, logits_budget=logits_budget,
+                              return_logits=return_logits)
+    options = _make_options(backend, logits_budget, return_logits)
+    cls = spec.model_class()
+    current = cls.__dict__["forward"]
+    stock = stock_forward_of(current)
+    patched = patched_forward(stock, spec)
+    class_slot(stock).options = options
+    if current is not patched:
+        cls.forward = patched
+    _PATCHED_CLASSES.add(cls)
+    loss_mapping.register()
+    return None
+
+
+_CLASS_DOC = """Patch every {cls} (model_type ``{mt}``) to use the fused loss{extra}.
+
+    Class-level, like Liger's ``apply_liger_kernel_to_<arch>``: affects all instances, existing
+    and future, until ``revert_fused_ce({cls})``. With ``model`` given, patches that one
+    instance instead (same as :func:`apply_fused_ce`).
+
+    Args:
+        model: optional instance to patch instead of the class.
+        backend: backend of :func:`~fused_ce_patch.fused_linear_cross_entropy`.
+        logits_budget: bytes of transient logits one chunk may hold (None: backend default).
+        return_logits: keep the stock path (real logits) everywhere.
+
+    Returns:
+        ``model`` when given, else None.
+
+    Raises:
+        UnsupportedModelError: ``model`` is not a {cls}.
+        ValueError: unknown backend or bad ``logits_budget``.
+    """
+
+
+def _class_patcher(model_type: str, short: str, extra: str = ""):
+    spec = ARCHITECTURES[model_type]
+
+    def apply(model=None, *, backend="auto", logits_budget=None, return_logits=False):
+        return _apply_to_class(model_type, model, backend, logits_budget, return_logits)
+
+    apply.__name__ = apply.__qualname__ = f"apply_fused_ce_to_{short}"
+    apply.__doc__ = _CLASS_DOC.format(cls=spec.class_name, mt=model_type, extra=extra)
+    return apply
+
+
+apply_fused_ce_to_llama = _class_patcher("llama", "llama")
+apply_fused_ce_to_qwen2 = _class_patcher("qwen2", "qwen2")
+apply_fused_ce_to_mistral = _class_patcher("mistral", "mistral")
+apply_fused_ce_to_gemma2 = _class_patcher(
+    "gemma2", "gemma2", " (with ``config.final_logit_softcapping``, 30 by default)"
+)
+apply_fused_ce_to_gemma3 = _class_patcher(
+    "gemma3_text", "gemma3",
+    " (text-only Gemma 3; ``config.final_logit_softcapping`` applied when set)",
+)

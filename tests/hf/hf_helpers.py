@@ -1,0 +1,167 @@
+"""Shared helpers for the Hugging Face integration tests (fixtures live in conftest.py).
+
+Every architecture gets a tiny random config (CPU, float32, vocab 1003 — prime, so no chunk
+divides it). A test compares a patched model with an unpatched copy holding identical weights
+whose loss is transformers' own ``ForCausalLMLoss`` (set on the instance, so the global
+``LOSS_MAPPING`` replacement cannot leak into the reference), after a spy has shown which path
+each model took.
+
+Tolerances (stated once): loss relative error 1e-5, gradients and weights 1e-4, as the
+relative error of the whole tensor ||a - b|| / ||b||.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from fused_ce_patch.hf import loss_mapping
+
+VOCAB = 1003
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+ARCHS = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text")
+GEMMA2_SOFTCAP = 30.0
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def assert_close_rel(a, b, rtol, what=""):
+    err = rel_err(a, b)
+    assert err <= rtol, f"{what}: relative error {err:.3e} > {rtol:.0e}"
+
+
+def tiny_config(arch: str, **overrides):
+    import transformers as tf
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**common, tie_word_embeddings=False)
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**common, tie_word_embeddings=True)
+    elif arch == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=8, tie_word_embeddings=False)
+    elif arch == "gemma2":
+        cfg = tf.Gemma2Config(**common, head_dim=8, sliding_window=8,
+                              final_logit_softcapping=GEMMA2_SOFTCAP, query_pre_attn_scalar=8)
+    elif arch == "gemma3_text":
+        cfg = tf.Gemma3TextConfig(**common, head_dim=8, sliding_window=8,
+                                  layer_types=["sliding_attention", "full_attention"],
+                                  query_pre_attn_scalar=8)
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build_model(arch: str, seed: int = 0, **overrides):
+    """A tiny random causal LM of ``arch`` in train mode (float32, CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
+    if arch == "gemma2":
+        # Push raw logits far beyond the softcap (callers assert |z| > 2c as a precondition).
+        with torch.no_grad():
+            model.model.norm.weight.fill_(300.0)
+    return model.train()
+
+
+def reference_copy(model):
+    """An unpatched deep copy whose loss is transformers' own ForCausalLMLoss."""
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        if hasattr(m, "loss_type") and hasattr(type(m), "loss_function"):
+            m.loss_function = loss_mapping.original_causal_lm_loss()
+    return ref
+
+
+def batch(batch_size=2, seq=16, seed=1, pad_row=True):
+    """``input_ids``, ``attention_mask``, ``labels`` with the last row right-padded."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch_size, seq), generator=g)
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    if pad_row:
+        mask[-1, seq - 5:] = 0
+        labels[-1, seq - 5:] = -100
+        labels[0, :3] = -100  # a masked prompt
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    pad = labels.new_full((labels.shape[0], 1), -100)
+    return torch.cat([labels[:, 1:], pad], dim=1)
+
+
+def named_grads(model):
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_grads_close(patched, ref, rtol=GRAD_RTOL):
+    got, want = named_grads(patched), named_grads(ref)
+    assert got.keys() == want.keys()
+    n_nonzero = 0
+    for name in want:
+        g, w = got[name], want[name]
+        if w is None:
+            assert g is None or not g.any(), name
+            continue
+        assert g is not None, f"{name}: no gradient in the patched model"
+        assert_close_rel(g, w, rtol, name)
+        n_nonzero += int(w.any())
+    assert n_nonzero > 0
+
+
+class Spy:
+    """Records every call of the fused loss made by the patched forward."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.calls = []
+
+    def __call__(self, hidden, weight, labels, **kwargs):
+        self.calls.append({
+            "hidden": hidden, "weight": weight, "labels": labels, **kwargs,
+            "autocast": torch.is_autocast_enabled(hidden.device.type),
+            "autocast_dtype": torch.get_autocast_dtype(hidden.device.type),
+        })
+        return self.fn(hidden, weight, labels, **kwargs)
+
+    @property
+    def count(self):
+        return len(self.calls)
+
+    def reset(self):
+        self.calls.clear()
+
+
+class LogitsLossSpy:
+    """Counts calls of the chunked LOSS_MAPPING replacement's autograd function."""
+
+    def __init__(self, fn_cls):
+        self.count = 0
+        spy = self
+
+        class Counting(fn_cls):
+            @classmethod
+            def apply(cls, *args):
+                spy.count += 1
+                return fn_cls.apply(*args)
+
+        self.cls = Counting
