@@ -13,3 +13,21 @@ class UnsupportedModelError(ValueError):
 
 class LogitsNotMaterializedError(RuntimeError):
     """Something used ``outputs.logits`` after the fused loss path, which never builds them."""
+
+
+def raise_if_double_backward(what: str) -> None:
+    """Call first thing in a custom ``backward``: refuse ``create_graph=True``.
+
+    The fused backwards are not differentiable; autograd would otherwise hand back detached
+    gradients silently whenever the upstream gradient does not itself require grad.
+
+    Raises:
+        RuntimeError: grad mode is on inside backward (double backward was asked for).
+    """
+    import torch
+
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{what} does not support double backward (create_graph=True); compute this "
+            f"loss with backend='reference' (materialised logits) for higher-order gradients"
+        )

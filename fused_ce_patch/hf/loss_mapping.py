@@ -29,6 +29,8 @@ import threading
 
 import torch
 
+from ..errors import raise_if_double_backward
+
 #: Bytes of float32 logits one chunk may hold in :func:`chunked_causal_lm_loss`.
 CHUNK_BYTES = 64 * 2**20
 
@@ -62,6 +64,7 @@ class _LogitsCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        raise_if_double_backward("the chunked LOSS_MAPPING causal-LM loss")
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
         valid = labels >= 0
@@ -69,7 +72,9 @@ class _LogitsCrossEntropy(torch.autograd.Function):
         n = logits.shape[0]
         for r0 in range(0, n, ctx.chunk_rows):
             r1 = min(r0 + ctx.chunk_rows, n)
-            p = logits[r0:r1].to(lse.dtype).sub_(lse[r0:r1].unsqueeze(1)).exp_()
+            # A new tensor: for float32 logits `.to()` would alias them and the in-place
+            # ops below would overwrite the caller's logits.
+            p = (logits[r0:r1].to(lse.dtype) - lse[r0:r1].unsqueeze(1)).exp_()
             y = labels[r0:r1].clamp(min=0).unsqueeze(1)
             p.scatter_add_(1, y, -torch.ones_like(y, dtype=p.dtype))
             p.mul_(valid[r0:r1].to(p.dtype).unsqueeze(1)).mul_(coef)
@@ -98,7 +103,7 @@ def chunked_causal_lm_loss(
         labels: ``[...]`` int labels (unshifted), or None when ``shift_labels`` is given.
         vocab_size: ``V``.
         num_items_in_batch: int or one-element tensor; the divisor for exact gradient
-            accumulation (values below 1 count as 1).
+            accumulation (0 or less, which only an empty batch gives, counts as 1).
         ignore_index: label value of positions that count for nothing.
         shift_labels: ``[...]`` labels already shifted by the caller (never shifted again).
         **kwargs: ignored, as in ``ForCausalLMLoss``.
@@ -118,6 +123,12 @@ def chunked_causal_lm_loss(
         shift_labels = torch.cat([labels[..., 1:], pad], dim=-1)
     flat = logits.reshape(-1, vocab_size)
     target = shift_labels.reshape(-1).to(device=flat.device, dtype=torch.long)
+    if target.shape[0] != flat.shape[0]:
+        raise ValueError(
+            f"Expected input batch_size ({flat.shape[0]}) to match target batch_size "
+            f"({target.shape[0]}): logits {tuple(logits.shape)}, labels "
+            f"{tuple(shift_labels.shape)}"
+        )
     counted = target != ignore_index
     lo_hi = torch.stack(torch.aminmax(torch.where(counted, target, 0))) if target.numel() else None
     n_valid = int(counted.sum())
@@ -133,9 +144,9 @@ def chunked_causal_lm_loss(
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, torch.Tensor):
             n = num_items_in_batch.detach().reshape(()).to(flat.device).float()
-            scale = 1.0 / n.clamp(min=1)
+            scale = 1.0 / torch.where(n > 0, n, 1.0)
         else:
-            scale = 1.0 / max(int(num_items_in_batch), 1)
+            scale = 1.0 / num_items_in_batch if num_items_in_batch > 0 else 1.0
     else:
         scale = 1.0 / max(n_valid, 1)
     chunk_rows = max(1, CHUNK_BYTES // (4 * max(vocab_size, 1)))

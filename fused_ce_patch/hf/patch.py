@@ -14,6 +14,7 @@ restores the original objects.
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 import weakref
@@ -70,6 +71,10 @@ _PATCHED_INSTANCES: weakref.WeakSet = weakref.WeakSet()
 _PATCHED_CLASSES: set = set()
 
 
+def _unpickled_state():
+    return None
+
+
 class _InstanceState:
     __slots__ = ("options", "slot", "previous", "installed", "__weakref__")
 
@@ -79,8 +84,20 @@ class _InstanceState:
         self.previous = previous  # what was in the instance __dict__ under `slot` before
         self.installed = installed  # what apply_fused_ce put there
 
+    def __deepcopy__(self, memo):
+        # The copied model's bound methods are rebound to the copy through `memo`.
+        return _InstanceState(
+            copy.deepcopy(self.options, memo), self.slot,
+            copy.deepcopy(self.previous, memo), copy.deepcopy(self.installed, memo),
+        )
 
-def _make_options(backend, logits_budget, return_logits) -> FusedCEOptions:
+    def __reduce__(self):
+        # pickle stores a bound method by name, so the patched forward comes back as the stock
+        # one: the unpickled model is unpatched, and says so (apply_fused_ce patches it again).
+        return (_unpickled_state, ())
+
+
+def make_options(backend, logits_budget, return_logits) -> FusedCEOptions:
     from ..backends import backend_names
 
     if backend not in backend_names():
@@ -245,7 +262,7 @@ def apply_fused_ce(
             stock forward, or an instance forward replaced by something else.
         ValueError: unknown backend or bad ``logits_budget``.
     """
-    options = _make_options(backend, logits_budget, return_logits)
+    options = make_options(backend, logits_budget, return_logits)
     target = unwrap_causal_lm(model)
     spec = _spec_for(target)
     stock = _stock_forward(type(target), spec)
@@ -268,7 +285,12 @@ def apply_fused_ce(
         # Our forward is already inside (e.g. accelerate prepared a patched model that was
         # later reverted): only the state is missing.
         installed = previous
-    elif hooked and stock_forward_of(getattr(previous, "__func__", None)) is stock:
+    elif (
+        stock_forward_of(getattr(previous, "__func__", None)) is stock
+        and getattr(previous, "__self__", None) is target
+    ):
+        # The stock forward bound to this instance (accelerate's dispatch hook, or what an
+        # unpickled patched model holds): replace it, and give it back on revert.
         installed = MethodType(patched, target)
     else:
         installed = None if hooked else _rewrap_accelerate_amp(previous, patched, target)
@@ -363,7 +385,7 @@ def _apply_to_class(model_type: str, model, backend, logits_budget, return_logit
             )
         return apply_fused_ce(model, backend=backend, logits_budget=logits_budget,
                               return_logits=return_logits)
-    options = _make_options(backend, logits_budget, return_logits)
+    options = make_options(backend, logits_budget, return_logits)
     cls = spec.model_class()
     current = cls.__dict__["forward"]
     stock = stock_forward_of(current)

@@ -68,7 +68,7 @@ class NotMaterializedLogits:
             torch functions and ``numpy.asarray``.
     """
 
-    __slots__ = ("_shape",)
+    __slots__ = ("_shape", "__weakref__")
 
     def __init__(self, shape=None):
         object.__setattr__(self, "_shape", None if shape is None else tuple(int(s) for s in shape))
@@ -102,7 +102,9 @@ class NotMaterializedLogits:
     __str__ = __repr__
 
     def __format__(self, spec: str) -> str:
-        return format(repr(self), spec)
+        if spec:  # a numeric format such as f"{logits:.3f}" is a use as a tensor
+            self._raise(f"format(..., {spec!r})")
+        return repr(self)
 
     def __reduce__(self):
         return (type(self), (object.__getattribute__(self, "_shape"),))

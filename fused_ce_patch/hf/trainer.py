@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback, TrainingArguments
 
-from .patch import apply_fused_ce, is_fused_ce_applied
+from .patch import make_options, apply_fused_ce, is_fused_ce_applied
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,12 @@ class FusedCETrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "Keep real logits on training steps (no memory saving)."},
     )
+
+    def __post_init__(self):
+        super().__post_init__()
+        # Fail at argument parsing, not later inside Trainer.__init__.
+        make_options(self.fused_ce_backend, self.fused_ce_logits_budget,
+                      self.fused_ce_return_logits)
 
 
 class FusedCECallback(TrainerCallback):

@@ -132,3 +132,44 @@ def test_replacement_edge_cases():
     bad[1, 2] = VOCAB
     with pytest.raises(ValueError, match=f"label {VOCAB}"):
         chunked_causal_lm_loss(logits, bad, VOCAB)
+
+
+def test_backward_leaves_float32_logits_untouched_and_can_run_twice():
+    # Regression: the backward once computed the softmax in place over a view of the logits.
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, VOCAB, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (3, 7))
+    before = logits.detach().clone()
+    loss = chunked_causal_lm_loss(logits, labels, VOCAB)
+    (g1,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    assert torch.equal(logits.detach(), before)
+    (g2,) = torch.autograd.grad(loss, logits)
+    ref = ORIGINAL(logits, labels, VOCAB)
+    (g_ref,) = torch.autograd.grad(ref, logits)
+    assert_close_rel(g1, g_ref, 1e-5, "grad")
+    assert torch.equal(g1, g2)
+
+
+def test_double_backward_is_refused_not_silently_detached():
+    logits = torch.randn(2, 5, VOCAB, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (2, 5))
+    loss = chunked_causal_lm_loss(logits, labels, VOCAB)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, logits, create_graph=True)
+
+
+def test_logits_and_labels_of_different_sizes_raise():
+    logits = torch.randn(2, 6, VOCAB)
+    with pytest.raises(ValueError, match="batch_size"):
+        chunked_causal_lm_loss(logits, torch.randint(0, VOCAB, (2, 9)), VOCAB)
+    with pytest.raises(ValueError, match="batch_size"):
+        chunked_causal_lm_loss(logits, torch.randint(0, VOCAB, (2, 4)), VOCAB)
+
+
+@pytest.mark.parametrize("n", [3, torch.tensor(0.5), torch.tensor(7.25), torch.tensor(11)])
+def test_num_items_in_batch_divides_exactly(n):
+    logits = torch.randn(2, 6, VOCAB)
+    labels = torch.randint(0, VOCAB, (2, 6))
+    got = chunked_causal_lm_loss(logits, labels, VOCAB, num_items_in_batch=n)
+    ref = ORIGINAL(logits, labels, VOCAB, num_items_in_batch=n)
+    assert_close_rel(got, ref, 1e-5, f"num_items={n!r}")

@@ -259,3 +259,21 @@ def test_deepcopy_of_patched_model(spy):
     revert_fused_ce(clone)
     assert "forward" not in clone.__dict__ and "forward" in model.__dict__
     assert isinstance(clone(**batch()).logits, torch.Tensor) and spy.count == 1
+
+
+def test_pickled_patched_model_comes_back_unpatched_and_can_be_patched(spy):
+    import pickle
+
+    from fused_ce_patch.hf.patch import is_fused_ce_applied
+
+    model = build_model("llama")
+    apply_fused_ce(model)
+    clone = pickle.loads(pickle.dumps(model))
+    # pickle cannot carry the patched forward: the copy must say it is unpatched...
+    assert not is_fused_ce_applied(clone)
+    assert isinstance(clone(**batch()).logits, torch.Tensor) and spy.count == 0
+    # ...and patching it again must work and take the fused path.
+    apply_fused_ce(clone)
+    assert isinstance(clone(**batch()).logits, NotMaterializedLogits) and spy.count == 1
+    revert_fused_ce(clone)
+    assert isinstance(clone(**batch()).logits, torch.Tensor) and spy.count == 1

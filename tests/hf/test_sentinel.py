@@ -114,3 +114,12 @@ def test_error_types_are_catchable():
     assert issubclass(LogitsAttributeError, AttributeError)
     assert issubclass(LogitsTypeError, LogitsNotMaterializedError)
     assert issubclass(LogitsTypeError, TypeError)
+
+
+def test_numeric_format_raises_and_weakref_works(logits):
+    import weakref
+
+    with pytest.raises(LogitsNotMaterializedError):
+        f"{logits:.3f}"
+    assert "NotMaterializedLogits" in f"{logits}"
+    assert weakref.ref(logits)() is logits

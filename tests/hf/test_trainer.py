@@ -205,3 +205,13 @@ def test_trainer_with_peft_model(arch, tmp_path, spy):
     assert spy.count == 4 and t._loss_shifts_labels is True
     assert_close_rel(logged_losses(t), logged_losses(t_ref), LOSS_RTOL, "losses")
     assert_weights_close(params(model), params(ref))
+
+
+def test_bad_fused_ce_options_fail_at_argument_construction(tmp_path):
+    from fused_ce_patch import FusedCETrainingArguments
+
+    with pytest.raises(ValueError, match="unknown backend"):
+        FusedCETrainingArguments(output_dir=str(tmp_path), use_fused_ce=True,
+                                 fused_ce_backend="nonsense")
+    with pytest.raises(ValueError, match="logits_budget"):
+        FusedCETrainingArguments(output_dir=str(tmp_path), fused_ce_logits_budget=-1)
