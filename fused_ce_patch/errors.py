@@ -31,3 +31,23 @@ def raise_if_double_backward(what: str) -> None:
             f"{what} does not support double backward (create_graph=True); compute this "
             f"loss with backend='reference' (materialised logits) for higher-order gradients"
         )
+
+
+def single_backward(backward):
+    """Decorator for a custom ``autograd.Function.backward`` that is not differentiable.
+
+    Unlike ``torch.autograd.function.once_differentiable`` (which hands back detached
+    gradients silently when the upstream gradient does not require grad), it raises on
+    ``create_graph=True``; then it runs ``backward`` without building a graph.
+    """
+    import functools
+
+    import torch
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        raise_if_double_backward("fused_linear_cross_entropy")
+        with torch.no_grad():
+            return backward(ctx, *grads)
+
+    return wrapper

@@ -6,6 +6,9 @@ labels, reduction) and hands a flat :class:`~fused_ce_patch.backends.Problem` to
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import nn
 
@@ -56,8 +59,9 @@ def fused_linear_cross_entropy(
             0 at ignored positions, float32).
         num_items_in_batch: if given (int, or a tensor with one element on any device and of
             any number dtype), the result is ``sum / num_items_in_batch`` — transformers'
-            convention for exact gradient accumulation. Values below 1 count as 1. Not allowed
-            with ``reduction="none"``.
+            convention for exact gradient accumulation. A value <= 0 (only a batch without any
+            counted position gives one) counts as 1, so the result is 0.0 rather than NaN.
+            Not allowed with ``reduction="none"``.
         shift: causal shift: position ``t`` predicts ``labels[..., t + 1]``; the last position
             of each sequence predicts nothing. Leave False for labels that are already shifted
             (transformers' ``shift_labels``).
@@ -192,7 +196,9 @@ def _check_options(reduction, backend, num_items, softcap, label_smoothing, z_lo
     if num_items is not None:
         if reduction == "none":
             raise ValueError("num_items_in_batch cannot be combined with reduction='none'")
-        if isinstance(num_items, bool) or not isinstance(num_items, (int, torch.Tensor)):
+        if isinstance(num_items, bool) or not isinstance(
+            num_items, (numbers.Integral, torch.Tensor)
+        ):
             raise TypeError(
                 f"num_items_in_batch must be an int or a one-element tensor, "
                 f"got {type(num_items).__name__}"
@@ -201,12 +207,12 @@ def _check_options(reduction, backend, num_items, softcap, label_smoothing, z_lo
             raise ValueError(
                 f"num_items_in_batch must hold one number, got shape {tuple(num_items.shape)}"
             )
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    if softcap is not None and not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not z_loss >= 0.0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if not 0.0 <= z_loss < math.inf:
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
                                or budget < 0):
         raise ValueError(f"logits_budget must be None or an int >= 0 (bytes), got {budget!r}")
@@ -234,6 +240,10 @@ def _check_tensors(hidden, weight, labels, bias):
         raise TypeError(f"labels must be an integer tensor, got {type(labels).__name__}")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+    if weight.shape[0] == 0 or weight.shape[1] == 0:
+        raise ValueError(
+            f"weight [V, H] must have V >= 1 and H >= 1, got shape {tuple(weight.shape)}"
+        )
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"hidden [..., H] and weight [V, H] disagree on H: hidden {tuple(hidden.shape)}, "
@@ -255,10 +265,13 @@ def _check_tensors(hidden, weight, labels, bias):
         )
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.dtype != hidden.dtype:
-            raise TypeError(
-                f"hidden is {hidden.dtype} but {name} is {t.dtype}; cast one of them, or run "
-                f"under torch.autocast to cast both as lm_head would"
+            hint = (
+                "autocast leaves float64 tensors alone, so cast one of them"
+                if torch.is_autocast_enabled(hidden.device.type)
+                else "cast one of them, or run under torch.autocast to cast both as lm_head "
+                "would"
             )
+            raise TypeError(f"hidden is {hidden.dtype} but {name} is {t.dtype}; {hint}")
     if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
         raise TypeError(f"labels must be an integer tensor (int64 or int32), got {labels.dtype}")
     for name, t in (("weight", weight), ("labels", labels), ("bias", bias)):
@@ -269,6 +282,8 @@ def _check_tensors(hidden, weight, labels, bias):
 def _shift(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     if labels.dim() < 1:
         raise ValueError("shift=True needs labels with a sequence dimension")
+    if labels.shape[-1] == 0:
+        return labels
     pad = labels.new_full((*labels.shape[:-1], 1), ignore_index)
     return torch.cat([labels[..., 1:], pad], dim=-1)
 
@@ -276,30 +291,39 @@ def _shift(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
 def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int):
     """Indices of counted rows and their number; raises on an out-of-range label.
 
-    Costs one fused min/max reduction and one host synchronisation (shared with the
-    ``nonzero`` that lists the counted rows).
+    Costs one fused min/max reduction (plus a count) over the ``[N]`` labels and one host
+    synchronisation; ``nonzero`` (a second, back-to-back sync on accelerators) runs only when
+    some rows are ignored.
     """
+    n = labels.shape[0]
+    if n == 0:
+        return labels.new_empty(0), 0
     counted = labels != ignore_index
-    lo_hi = torch.aminmax(torch.where(counted, labels, 0)) if labels.numel() else None
-    valid_rows = counted.nonzero().squeeze(1)
-    n_valid = valid_rows.shape[0]
-    if lo_hi is not None and n_valid:
-        lo, hi = (int(v) for v in torch.stack(lo_hi).tolist())
-        if lo < 0 or hi >= vocab:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"label {bad} is outside [0, V) with V = {vocab} and is not "
-                f"ignore_index = {ignore_index}"
-            )
+    lo, hi = torch.aminmax(torch.where(counted, labels, 0))
+    lo, hi, n_valid = torch.stack([lo, hi, counted.sum()]).tolist()
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"label {bad} is outside [0, V) with V = {vocab} and is not "
+            f"ignore_index = {ignore_index}"
+        )
+    if n_valid == n:
+        valid_rows = torch.arange(n, device=labels.device)
+    else:
+        valid_rows = counted.nonzero().squeeze(1)
     return valid_rows, n_valid
 
 
 def _scale(reduction, num_items, n_valid, device, dtype):
     if num_items is not None:
         if isinstance(num_items, torch.Tensor):
-            n = num_items.detach().reshape(()).to(device=device, dtype=dtype, non_blocking=True)
-            return 1.0 / n.clamp(min=1)
-        return 1.0 / max(int(num_items), 1)
+            # non_blocking only towards an accelerator: a non-blocking copy to the host may
+            # be read before it lands.
+            n = num_items.detach().reshape(()).to(
+                device=device, dtype=dtype, non_blocking=device.type != "cpu"
+            )
+            return 1.0 / torch.where(n > 0, n, 1.0)
+        return 1.0 / num_items if num_items > 0 else 1.0
     if reduction == "mean":
         return 1.0 / max(n_valid, 1)
     return 1.0

@@ -17,9 +17,14 @@ Two schedules:
 - *eager* (``reduction="sum"``, grads needed, budget > 0): gradients are computed in the
   forward pass (3 matmuls in all, as Liger-Kernel's FLCE does) and scaled by the upstream
   gradient in backward;
-- *recompute* (``reduction="none"``, or the backend asked for it): the forward keeps one LSE
-  per counted row; backward recomputes the logits and honours a different upstream gradient
-  per position.
+- *recompute* (``reduction="none"``, or the backend asked for it): the forward keeps only the
+  losses (and, when the vocabulary is tiled, one LSE per counted row); backward recomputes the
+  logits and honours a different upstream gradient per position.
+
+Precision: a row's loss is ``(max - z_y) + log(sumexp)``, never ``LSE - z_y`` after rounding
+the LSE (which would cost ~1e-4 relative when p(target) ~= 0.999), and whole rows recompute
+their max and sum-exp in backward rather than reuse a rounded LSE; see also
+:attr:`LogitsKernel.precise_lse` and :attr:`LogitsKernel.tile_dh_fp32` for the tiled path.
 
 The arithmetic on a logits chunk is delegated to a :class:`LogitsKernel` (torch ops for the
 ``torch`` backend, Triton kernels for ``triton``/``ascend``).
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..errors import single_backward
 from .base import LossSpec, Problem
 
 
@@ -66,13 +72,33 @@ class LogitsKernel:
         raise NotImplementedError
 
     def tile_grad_(self, z, y, v0: int, vocab: int, lse, spec: LossSpec, scale):
-        """Vocabulary tile: return ``scale * dL/dz`` for the tile given the rows' final LSE."""
+        """Vocabulary tile: return ``scale * dL/dz`` for the tile given the rows' final LSE
+        (float64 when :attr:`precise_lse` is set)."""
         raise NotImplementedError
 
+    #: Whether a vocabulary tile's dH partial is computed in float32 (from a float32 copy of
+    #: the weight tile, counted by :meth:`bytes_per_column`) for float16/bfloat16 inputs,
+    #: instead of being rounded to the input dtype before the tiles' partials are summed.
+    tile_dh_fp32: bool = False
 
-def finish_loss(lse, z_target, z_sum, vocab: int, spec: LossSpec):
-    """Per-row loss from the LSE, the target logit and the sum of logits (DESIGN.md §1)."""
-    nll = lse - z_target
+    def bytes_per_column(self, dtype: torch.dtype, hidden_size: int) -> int:
+        """Transient bytes per vocabulary column of a tile that do not scale with its rows."""
+        return 0
+
+    #: Whether :meth:`tile_grad_` takes the LSE in float64 for float32 work. A float32 LSE of
+    #: about 10 is off by up to 5e-7, which is a relative error of 5e-4 in ``p_y - 1`` when
+    #: ``p_y ~= 0.999``; ``exp((z - hi) - lo)`` with ``hi + lo = LSE`` keeps it exact.
+    precise_lse: bool = False
+
+
+def finish_loss(lse, z_target, z_sum, vocab: int, spec: LossSpec, nll=None):
+    """Per-row loss from the LSE, the target logit and the sum of logits (DESIGN.md §1).
+
+    ``nll`` (``lse - z_target``) may be given when computed more precisely, e.g. as
+    ``(max - z_target) + log(sumexp)``, which does not round ``lse`` first.
+    """
+    if nll is None:
+        nll = lse - z_target
     loss = nll
     if spec.label_smoothing:
         eps = spec.label_smoothing
@@ -91,12 +117,18 @@ class ChunkPlan:
 
 
 def plan_chunks(
-    n_rows: int, vocab: int, bytes_per_logit: int, budget: int, min_rows: int = 16
+    n_rows: int,
+    vocab: int,
+    bytes_per_logit: int,
+    budget: int,
+    min_rows: int = 16,
+    bytes_per_column: int = 0,
 ) -> ChunkPlan:
     """Largest chunks whose ``rows * vocab_tile * bytes_per_logit`` fit ``budget`` bytes.
 
     Whole rows are preferred; the vocabulary is tiled only when fewer than ``min_rows`` whole
-    rows (or fewer than ``n_rows`` if that is smaller) would fit.
+    rows (or fewer than ``n_rows`` if that is smaller) would fit. A tile also pays
+    ``bytes_per_column`` per column (:meth:`LogitsKernel.bytes_per_column`).
     """
     n_rows = max(n_rows, 1)
     budget = max(int(budget), bytes_per_logit)
@@ -105,7 +137,7 @@ def plan_chunks(
     if rows >= min(n_rows, min_rows):
         return ChunkPlan(rows=min(rows, n_rows), vocab_tile=vocab)
     rows = max(1, min(n_rows, min_rows, budget // bytes_per_logit))
-    tile = max(1, min(vocab, budget // (rows * bytes_per_logit)))
+    tile = max(1, min(vocab, budget // (rows * bytes_per_logit + bytes_per_column)))
     return ChunkPlan(rows=rows, vocab_tile=tile)
 
 
@@ -155,6 +187,7 @@ def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _logits(h, weight, bias, v0: int, v1: int) -> torch.Tensor:
+    """``[r, v1 - v0]`` logits of rows ``h`` for the vocabulary slice ``[v0, v1)``."""
     if v0 == 0 and v1 == weight.shape[0]:
         w, b = weight, bias
     else:
@@ -174,11 +207,20 @@ class _Runner:
         self.vocab = weight.shape[0]
         self.acc = _loss_dtype(weight.dtype)
 
+    def logits(self, h, v0, v1):
+        return _logits(h, self.weight, self.bias, v0, v1)
+
     def chunks(self):
         step = self.cfg.plan.rows
+        # Every row counted and hidden viewable as [N, H]: chunks are views, not copies.
+        dense = self.cfg.n_valid == self.labels.shape[0] and self.rows.flat is not None
         for start in range(0, self.cfg.n_valid, step):
-            idx = self.valid_rows[start : start + step]
-            yield start, idx, self.rows.take(idx), self.labels.index_select(0, idx)
+            end = min(start + step, self.cfg.n_valid)
+            idx = self.valid_rows[start:end]
+            if dense:
+                yield start, idx, self.rows.flat[start:end], self.labels[start:end]
+            else:
+                yield start, idx, self.rows.take(idx), self.labels.index_select(0, idx)
 
     def tiles(self):
         tile = self.cfg.plan.vocab_tile
@@ -205,11 +247,13 @@ class _Runner:
         """Add one tile's ``dz`` into the gradients; ``dh_rows`` accumulates across tiles."""
         if grads.dh is not None:
             w = self.weight if self.whole_rows else self.weight[v0:v1]
-            part = torch.mm(dz if dz.dtype == w.dtype else dz.to(w.dtype), w)
             if dh_rows is None:
+                part = torch.mm(dz if dz.dtype == w.dtype else dz.to(w.dtype), w)
                 grads.dh.index_copy_(0, idx, part.to(grads.dh.dtype))
+            elif self.cfg.kernel.tile_dh_fp32 and w.dtype != dh_rows.dtype:
+                dh_rows.addmm_(dz.to(dh_rows.dtype), w.to(dh_rows.dtype))
             else:
-                dh_rows += part
+                dh_rows += torch.mm(dz if dz.dtype == w.dtype else dz.to(w.dtype), w)
         if grads.dw is not None:
             dw = grads.dw[v0:v1]
             a = dz.t() if dz.dtype == dw.dtype else dz.t().to(dw.dtype)
@@ -221,20 +265,49 @@ class _Runner:
         """Per-row ``(loss, lse)`` of one chunk over vocabulary tiles (no gradient)."""
         kernel, spec = self.cfg.kernel, self.cfg.spec
         if self.whole_rows:
-            return kernel.row_loss(_logits(h, self.weight, self.bias, 0, self.vocab), y, spec)
+            return kernel.row_loss(self.logits(h, 0, self.vocab), y, spec)
         m = se = z_t = z_s = None
         for v0, v1 in self.tiles():
-            tm, tse, tzt, tzs = kernel.tile_stats(
-                _logits(h, self.weight, self.bias, v0, v1), y, v0, spec
-            )
+            tm, tse, tzt, tzs = kernel.tile_stats(self.logits(h, v0, v1), y, v0, spec)
             if m is None:
                 m, se, z_t, z_s = tm, tse, tzt, tzs
                 continue
             new_m = torch.maximum(m, tm)
             se = se * torch.exp(m - new_m) + tse * torch.exp(tm - new_m)
             m, z_t, z_s = new_m, z_t + tzt, z_s + tzs
-        lse = m + torch.log(se)
-        return finish_loss(lse, z_t, z_s, self.vocab, spec), lse
+        log_se = torch.log(se)
+        lse = m + log_se
+        loss = finish_loss(lse, z_t, z_s, self.vocab, spec, nll=(m - z_t) + log_se)
+        if kernel.precise_lse and lse.dtype == torch.float32:
+            lse = m.double() + log_se.double()
+        return loss, lse
+
+    def eager_chunk(self, h, y, idx, grads: _Grads):
+        """Loss of one chunk, adding ``cfg.scale * dL/d(inputs)`` into ``grads``."""
+        cfg = self.cfg
+        if self.whole_rows:
+            z = self.logits(h, 0, self.vocab)
+            loss, _, dz = cfg.kernel.row_loss_grad_(z, y, cfg.spec, cfg.scale)
+            del z  # may be dz's storage; drop the name so only dz keeps it
+            self.backprop(dz, h, idx, 0, self.vocab, grads, None)
+            return loss
+        loss, lse = self.stats(h, y)
+        self.grads_from_lse(h, y, idx, lse, cfg.scale, grads)
+        return loss
+
+    def grads_recompute(self, h, y, idx, lse, scale, grads: _Grads):
+        """Backward of one chunk: recompute its logits and add ``scale * dL/d(inputs)``.
+
+        Whole rows redo the forward's own arithmetic (max and sum-exp of the row, so
+        ``p_y - 1`` is as exact as in the eager schedule; ``lse`` is unused); tiles use the
+        saved ``lse``."""
+        if self.whole_rows:
+            z = self.logits(h, 0, self.vocab)
+            _, _, dz = self.cfg.kernel.row_loss_grad_(z, y, self.cfg.spec, scale)
+            del z
+            self.backprop(dz, h, idx, 0, self.vocab, grads, None)
+        else:
+            self.grads_from_lse(h, y, idx, lse, scale, grads)
 
     def grads_from_lse(self, h, y, idx, lse, scale, grads: _Grads):
         """Second pass over the tiles of one chunk: ``dz`` from the known LSE, then backprop."""
@@ -242,7 +315,7 @@ class _Runner:
         if grads.dh is not None and not self.whole_rows:
             dh_rows = torch.zeros(h.shape, dtype=self.acc, device=h.device)
         for v0, v1 in self.tiles():
-            z = _logits(h, self.weight, self.bias, v0, v1)
+            z = self.logits(h, v0, v1)
             dz = self.cfg.kernel.tile_grad_(z, y, v0, self.vocab, lse, self.cfg.spec, scale)
             self.backprop(dz, h, idx, v0, v1, grads, dh_rows)
         if dh_rows is not None:
@@ -273,21 +346,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             else None
         )
         total = torch.zeros((), dtype=acc, device=device)
-        lse_all = None if cfg.eager else torch.empty(cfg.n_valid, dtype=acc, device=device)
+        lse_all = None  # needed by the recompute schedule over vocabulary tiles only
+        if not cfg.eager and not run.whole_rows:
+            lse_dtype = torch.float64 if cfg.kernel.precise_lse else acc
+            lse_all = torch.empty(cfg.n_valid, dtype=lse_dtype, device=device)
         grads = run.new_grads(hidden.shape, hidden.dtype, device) if cfg.eager else None
 
         for start, idx, h, y in run.chunks():
-            if cfg.eager and run.whole_rows:
-                z = _logits(h, weight, bias, 0, run.vocab)
-                loss, _, dz = cfg.kernel.row_loss_grad_(z, y, cfg.spec, cfg.scale)
-                del z
-                run.backprop(dz, h, idx, 0, run.vocab, grads, None)
-                del dz
+            if cfg.eager:
+                loss = run.eager_chunk(h, y, idx, grads)
             else:
                 loss, lse = run.stats(h, y)
-                if cfg.eager:
-                    run.grads_from_lse(h, y, idx, lse, cfg.scale, grads)
-                else:
+                if lse_all is not None:
                     lse_all[start : start + idx.shape[0]] = lse
             if per_row is not None:
                 per_row.index_copy_(0, idx, loss.to(acc))
@@ -295,23 +365,30 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 total += loss.sum(dtype=acc)
 
         ctx.cfg = cfg
-        if cfg.eager:
-            ctx.grads = grads
-            ctx.save_for_backward(hidden, weight, bias)
-        else:
-            ctx.save_for_backward(hidden, weight, bias, labels, valid_rows, lse_all)
+        # labels and valid_rows are small integer vectors; keeping them lets a second backward
+        # through a retained graph replay the eager pass.
+        ctx.save_for_backward(hidden, weight, bias, labels, valid_rows, lse_all)
+        ctx.grads = grads
         if per_row is not None:
             return per_row
         return total * cfg.scale
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @single_backward
     def backward(ctx, grad_out):
         cfg: ChunkConfig = ctx.cfg
+        hidden, weight, bias, labels, valid_rows, lse_all = ctx.saved_tensors
         if cfg.eager:
-            hidden, weight, bias = ctx.saved_tensors
-            grads: _Grads = ctx.grads
+            grads = ctx.grads
+            # Handed to autograd (which may adopt the buffers as .grad without a copy); a
+            # second backward through a retained graph replays the same eager pass, so the
+            # result is bitwise the same.
             ctx.grads = None
+            if grads is None:
+                run = _Runner(hidden, weight, bias, labels, valid_rows, cfg)
+                grads = run.new_grads(hidden.shape, hidden.dtype, hidden.device)
+                for _, idx, h, y in run.chunks():
+                    run.eager_chunk(h, y, idx, grads)
             g = grad_out.item()  # a Python float keeps the scale out of bf16 rounding
             if g != 1.0:
                 for t in (grads.dh, grads.dw, grads.db):
@@ -319,7 +396,6 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                         t.mul_(g)
             return (*_finalize(grads, hidden, weight, bias), None, None, None)
 
-        hidden, weight, bias, labels, valid_rows, lse_all = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         cfg_b = replace(cfg, need=(need_h, need_w, need_b))
         run = _Runner(hidden, weight, bias, labels, valid_rows, cfg_b)
@@ -330,9 +406,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             row_scale = None
             scale = grad_out.to(run.acc) * cfg.scale
         for start, idx, h, y in run.chunks():
-            lse = lse_all[start : start + idx.shape[0]]
+            lse = None if lse_all is None else lse_all[start : start + idx.shape[0]]
             s = row_scale.index_select(0, idx) if row_scale is not None else scale
-            run.grads_from_lse(h, y, idx, lse, s, grads)
+            run.grads_recompute(h, y, idx, lse, s, grads)
         return (*_finalize(grads, hidden, weight, bias), None, None, None)
 
 
@@ -353,6 +429,7 @@ def run_chunked(problem: Problem, kernel: LogitsKernel, budget: int, eager: bool
         problem.vocab_size,
         kernel.bytes_per_logit(hidden.dtype, problem.spec),
         budget,
+        bytes_per_column=kernel.bytes_per_column(hidden.dtype, problem.hidden_size),
     )
     cfg = ChunkConfig(
         kernel=kernel,

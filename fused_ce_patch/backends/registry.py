@@ -16,6 +16,10 @@ from .base import Backend
 
 ENV_VAR = "FUSED_CE_BACKEND"
 
+#: Names of DESIGN.md §2 that are valid even before (or where) their module registers: asking
+#: for one that is not registered raises BackendUnavailableError, not "unknown backend".
+KNOWN_NAMES = ("triton", "ascend", "torch", "reference")
+
 _REGISTRY: dict[str, Backend] = {}
 _warned: set[tuple[str, str]] = set()
 
@@ -29,8 +33,9 @@ def register(backend: Backend) -> Backend:
 
 
 def backend_names() -> tuple[str, ...]:
-    """Names accepted by ``backend=``: ``"auto"`` and every registered backend."""
-    return ("auto", *_REGISTRY)
+    """Names accepted by ``backend=``: ``"auto"``, the names of DESIGN.md §2, and every
+    registered backend."""
+    return ("auto", *KNOWN_NAMES, *(n for n in _REGISTRY if n not in KNOWN_NAMES))
 
 
 def get_backend(name: str) -> Backend:
@@ -78,6 +83,11 @@ def resolve(name: str, device: torch.device, dtype: torch.dtype) -> Backend:
 
 
 def _explicit(name: str, device: torch.device, dtype: torch.dtype, source: str) -> Backend:
+    if name in KNOWN_NAMES and name not in _REGISTRY:
+        raise BackendUnavailableError(
+            f"{source}: backend {name!r} is not available in this installation (registered: "
+            f"{', '.join(_REGISTRY)}). Use backend='auto' to pick one that can run."
+        )
     backend = get_backend(name)
     ok, why = backend.availability()
     if ok:

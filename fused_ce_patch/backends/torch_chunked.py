@@ -16,8 +16,10 @@ import torch
 from .base import Backend, LossSpec, Problem
 from .chunked import LogitsKernel, finish_loss, run_chunked
 
-#: Default transient-logits budget on CPU and other non-Triton devices (bytes).
-DEFAULT_BUDGET = 128 * 2**20
+#: Default transient-logits budget on CPU and other non-Triton devices (bytes). About 390
+#: float32 rows of a 128k vocabulary: CPU BLAS runs the three per-chunk matmuls near its
+#: large-matrix speed from a few hundred rows on (benchmarks/cpu_chunked.py).
+DEFAULT_BUDGET = 192 * 2**20
 #: Tile size used when ``logits_budget=0`` is asked of this backend (bytes).
 MIN_TILE_BYTES = 2**20
 
@@ -68,6 +70,12 @@ class TorchKernel(LogitsKernel):
     """Chunk arithmetic in torch ops, in float32 (float64 for float64 inputs)."""
 
     dw_accumulate = "fp32"
+    precise_lse = True
+    tile_dh_fp32 = True
+
+    def bytes_per_column(self, dtype: torch.dtype, hidden_size: int) -> int:
+        # the float32 copy of a weight tile that keeps tiled dH partials unrounded
+        return 4 * hidden_size if dtype in (torch.float16, torch.bfloat16) else 0
 
     def bytes_per_logit(self, dtype: torch.dtype, spec: LossSpec) -> int:
         work = 8 if dtype == torch.float64 else 4
@@ -85,8 +93,10 @@ class TorchKernel(LogitsKernel):
 
     def row_loss(self, z, y, spec):
         s, z_t, z_s, m = self._stats_full(z, y, spec)
-        lse = m + s.sub_(m.unsqueeze(1)).exp_().sum(1).log_()
-        return finish_loss(lse, z_t, z_s, s.shape[1], spec), lse
+        log_se = s.sub_(m.unsqueeze(1)).exp_().sum(1).log_()
+        lse = m + log_se
+        # (m - z_t) + log_se, not lse - z_t: lse's rounding would swamp a loss of ~1e-3
+        return finish_loss(lse, z_t, z_s, s.shape[1], spec, nll=(m - z_t) + log_se), lse
 
     def row_loss_grad_(self, z, y, spec, scale):
         s, z_t, z_s, m = self._stats_full(z, y, spec)
@@ -96,10 +106,11 @@ class TorchKernel(LogitsKernel):
         else:
             p, s = s.sub_(m.unsqueeze(1)).exp_(), None
         sumexp = p.sum(1)
-        lse = m + sumexp.log()
+        log_se = sumexp.log()
+        lse = m + log_se
         p.div_(sumexp.unsqueeze(1))
         dz = _grad_from_probs_(p, s, y, 0, vocab, lse, spec, scale)
-        return finish_loss(lse, z_t, z_s, vocab, spec), lse, dz
+        return finish_loss(lse, z_t, z_s, vocab, spec, nll=(m - z_t) + log_se), lse, dz
 
     def tile_stats(self, z, y, v0, spec):
         s = _softcap_(_work(z), spec)
@@ -114,10 +125,14 @@ class TorchKernel(LogitsKernel):
 
     def tile_grad_(self, z, y, v0, vocab, lse, spec, scale):
         s = _softcap_(_work(z), spec)
-        p = (s - lse.unsqueeze(1)).exp_() if spec.softcap is not None else None
-        if p is None:
-            p, s = s.sub_(lse.unsqueeze(1)).exp_(), None
-        return _grad_from_probs_(p, s, y, v0, vocab, lse, spec, scale)
+        hi = lse.to(s.dtype)
+        if spec.softcap is not None:
+            p = s - hi.unsqueeze(1)  # s is still needed for the softcap chain rule
+        else:
+            p, s = s.sub_(hi.unsqueeze(1)), None
+        if lse.dtype != hi.dtype:  # float64 LSE (precise_lse): subtract its low part too
+            p.sub_((lse - hi.double()).to(p.dtype).unsqueeze(1))
+        return _grad_from_probs_(p.exp_(), s, y, v0, vocab, hi, spec, scale)
 
 
 class TorchBackend(Backend):

@@ -1,0 +1,101 @@
+"""Shared fixtures: a fresh random seed per test, and the float64 oracle.
+
+Every test that asks for ``seed`` (the core suites do, module-wide, with ``one_thread``) gets
+torch's global RNG seeded from ``os.urandom``; the seed is printed, so pytest shows it with any
+failure. Set ``FUSED_CE_TEST_SEED=<int>`` to replay one.
+
+``oracle`` is the plain-torch float64 definition of the loss (DESIGN.md §1): materialised
+float64 logits, softcap, ``F.cross_entropy`` with torch's label smoothing, the PaLM z-loss,
+transformers' reductions. Tests compare every backend against it, never against a backend.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+
+@pytest.fixture
+def seed():
+    value = int(os.environ.get("FUSED_CE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    torch.manual_seed(value)
+    print(f"seed = {value} (replay with FUSED_CE_TEST_SEED={value})")
+    return value
+
+
+@pytest.fixture
+def one_thread():
+    """Run the test on one intra-op thread. The core suites use tiny tensors, for which an
+    OpenMP team only adds latency — a lot of it on a busy 2-core CI runner."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def oracle_loss(
+    hidden,
+    weight,
+    labels,
+    *,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    num_items_in_batch=None,
+    shift=False,
+    softcap=None,
+    label_smoothing=0.0,
+    z_loss=0.0,
+):
+    """The loss of DESIGN.md §1 in float64, differentiable w.r.t. the float64 inputs given.
+
+    Inputs of another dtype are upcast first (a differentiable cast), so gradients reach
+    them too. Returns float64.
+    """
+    h = hidden.double()
+    w = weight.double()
+    labels = labels.long()
+    if shift:
+        pad = labels.new_full((*labels.shape[:-1], 1), ignore_index)
+        labels = torch.cat([labels[..., 1:], pad], dim=-1)
+    z = h @ w.t()
+    if bias is not None:
+        z = z + bias.double()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z.reshape(-1, w.shape[0])
+    y = labels.reshape(-1)
+    counted = y != ignore_index
+    per = F.cross_entropy(
+        z, y, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
+    )
+    if z_loss:
+        per = per + z_loss * torch.logsumexp(z, dim=-1).square() * counted
+    if reduction == "none":
+        return per.view(labels.shape)
+    total = per.sum()
+    if num_items_in_batch is not None:
+        return total / torch.as_tensor(num_items_in_batch, dtype=torch.float64)
+    if reduction == "mean":
+        return total / max(int(counted.sum()), 1)
+    return total
+
+
+def rel_err(a, b) -> float:
+    """``||a - b|| / ||b||`` over the whole tensor, in float64 (0 when both are zero)."""
+    a, b = a.detach().double(), b.detach().double()
+    den = b.norm()
+    num = (a - b).norm()
+    if den == 0:
+        return float(num)
+    return float(num / den)
+
+
+@pytest.fixture(scope="session")
+def oracle():
+    """``oracle.loss(...)`` (float64 loss) and ``oracle.rel_err(a, b)``."""
+    return SimpleNamespace(loss=oracle_loss, rel_err=rel_err)
