@@ -11,6 +11,8 @@ from .torch_chunked import TorchBackend
 
 register(ReferenceBackend())
 register(TorchBackend())
+from . import triton as _triton  # noqa: E402,F401  registers backend "triton" (imports no triton)
+from . import ascend as _ascend  # noqa: E402,F401  registers "ascend" (imports no torch_npu)
 
 __all__ = [
     "Backend",

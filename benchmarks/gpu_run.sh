@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Steps of one device call (benchmarks/NOTES_gpu.md logs each call). Usage, from the repo root
+# on the GPU machine, with the peers' wheels carried in .whl/:
+#   bash benchmarks/gpu_run.sh STEP[:SECONDS] ...
+# Steps: variants | tests | bench[=IMPLS[@SHAPES]] | e2e
+# Every step's log and result files go to $OUT; a step over its time is stopped, the next runs.
+set -u
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
+  > "$OUT/nvidia-smi.csv" 2>&1
+for spec in "$@"; do
+  step=${spec%%:*}; secs=${spec#*:}; [ "$secs" = "$spec" ] && secs=300
+  name=${step%%=*}; arg=${step#*=}; [ "$arg" = "$step" ] && arg=""
+  echo "=== $name ($arg) for at most ${secs}s: $(date +%T)"
+  case $name in
+    variants) timeout "$secs" python3 benchmarks/gpu_variants.py --out "$OUT" \
+                > "$OUT/variants.log" 2>&1 ;;
+    tests)    timeout "$secs" python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+                > "$OUT/gpu_tests.log" 2>&1 ;;
+    bench)    impls=${arg%%@*}; shapes=${arg#*@}; [ "$shapes" = "$arg" ] && shapes=""
+              timeout "$secs" python3 benchmarks/gpu_bench.py --out "$OUT" \
+                ${impls:+--impls "$impls"} ${shapes:+--shapes "$shapes"} \
+                > "$OUT/bench.log" 2>&1 ;;
+    e2e)      timeout "$secs" python3 benchmarks/gpu_e2e.py --out "$OUT" \
+                > "$OUT/e2e.log" 2>&1 ;;
+    *) echo "unknown step $name" ;;
+  esac
+  echo "=== $name exit $?: $(date +%T)"
+done
+for f in "$OUT"/*.log; do echo "----- tail $f"; tail -n 25 "$f"; done

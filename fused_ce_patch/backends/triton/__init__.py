@@ -1,0 +1,125 @@
+"""Backend ``"triton"``: fused linear cross-entropy on CUDA (and ROCm) GPUs.
+
+Two algorithms, chosen by ``logits_budget``:
+
+- budget > 0 (default :func:`default_budget`): the chunked path
+  (:mod:`.chunked_path`): per chunk of counted rows, logits by one cuBLAS matmul in the input
+  dtype, one Triton kernel that writes the logits gradient over them, dH and dW by matmuls.
+- budget 0: the zero-logits path (:mod:`.zero_logits`): logit tiles live in registers only;
+  forward keeps one float32 LSE per counted row, backward recomputes the tiles.
+
+A positive budget too small for 16 whole rows of logits (or for all rows, if fewer) runs the
+zero-logits path, which needs only a few MiB. float64 inputs run the ``torch`` backend's
+chunked algorithm (Triton's float64 matmuls would gain nothing over it).
+
+Precision: 16-bit inputs multiply on tensor cores with float32 accumulation; float32 inputs
+use IEEE float32 unless torch allows TF32 for matmuls
+(``torch.backends.cuda.matmul.allow_tf32`` or ``torch.set_float32_matmul_precision``), which
+cuBLAS and the Triton kernels then both use.
+
+The kernels also run on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them); Triton
+is imported only when the backend runs, so machines without it still import the package.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..base import Backend, Problem
+from ..registry import register
+
+#: Default transient bytes of the chunked path per 8192 counted rows, between
+#: :data:`DEFAULT_BUDGET` and twice it, counting each chunk's logits and also its copy of the
+#: hidden rows and its ``dz @ W`` rows: the peak beyond dH and dW stays under 256 MiB up to
+#: 8192 counted rows and under 512 MiB beyond (larger chunks run the matmuls faster;
+#: BENCHMARKS.md "## GPU"). An explicit ``logits_budget`` counts the logits only.
+DEFAULT_BUDGET = 248 * 2**20
+#: Fewest whole rows a chunk should hold; smaller budgets run the zero-logits path.
+MIN_CHUNK_ROWS = 16
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def default_budget(n_valid: int) -> int:
+    """:data:`DEFAULT_BUDGET` per 8192 counted rows, at least it and at most twice it."""
+    per_row = DEFAULT_BUDGET / 8192
+    return int(min(2 * DEFAULT_BUDGET, max(DEFAULT_BUDGET, per_row * n_valid)))
+
+
+class TritonBackend(Backend):
+    """Tiled Triton kernels for CUDA/ROCm tensors (CPU tensors only under the interpreter)."""
+
+    name = "triton"
+    priority = 100
+    device_types = ("cuda",)
+
+    def availability(self) -> tuple[bool, str]:
+        try:
+            import triton  # noqa: F401
+        except Exception as exc:  # ImportError, or a broken install
+            return False, f"triton is not importable ({type(exc).__name__}: {exc})"
+        return True, ""
+
+    def accepts(self, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+        if dtype not in _DTYPES:
+            return False, f"dtype {dtype} is not float16, bfloat16, float32 or float64"
+        if device.type == "cuda":
+            return True, ""
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1":
+            return True, ""
+        return False, (
+            f"Triton kernels run on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), "
+            f"not on {device.type}"
+        )
+
+    def run(self, problem: Problem) -> torch.Tensor:
+        if problem.hidden.dtype == torch.float64:
+            from ..torch_chunked import TorchBackend
+
+            return TorchBackend().run(problem)
+
+        hidden, weight, bias = problem.hidden, problem.weight, problem.bias
+        grad_on = torch.is_grad_enabled()
+        need = (
+            grad_on and hidden.requires_grad,
+            grad_on and weight.requires_grad,
+            grad_on and bias is not None and bias.requires_grad,
+        )
+        budget = problem.logits_budget
+        per_row = problem.vocab_size * hidden.element_size()
+        if budget is None:
+            budget = default_budget(problem.n_valid)
+            per_row += 2 * problem.hidden_size * hidden.element_size()
+        rows = budget // per_row
+        if budget > 0 and rows >= min(MIN_CHUNK_ROWS, max(problem.n_valid, 1)):
+            from .chunked_path import ChunkedConfig, TritonChunkedLinearCrossEntropy, plan_rows
+
+            cfg = ChunkedConfig(
+                spec=problem.spec,
+                reduction=problem.reduction,
+                scale=problem.scale,
+                n_valid=problem.n_valid,
+                rows=plan_rows(problem.n_valid, rows),
+                eager=problem.reduction == "sum" and any(need),
+                need=need,
+            )
+            return TritonChunkedLinearCrossEntropy.apply(
+                hidden, weight, bias, problem.labels, problem.valid_rows, cfg
+            )
+
+        from .zero_logits import TritonZeroLogitsLinearCrossEntropy, ZeroLogitsConfig
+
+        cfg = ZeroLogitsConfig(
+            spec=problem.spec,
+            reduction=problem.reduction,
+            scale=problem.scale,
+            n_valid=problem.n_valid,
+        )
+        return TritonZeroLogitsLinearCrossEntropy.apply(
+            hidden, weight, bias, problem.labels, problem.valid_rows, cfg
+        )
+
+
+register(TritonBackend())

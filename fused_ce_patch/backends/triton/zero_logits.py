@@ -1,0 +1,289 @@
+"""Zero-logits path of backend ``"triton"`` (``logits_budget=0``): no logits in device memory.
+
+Forward (:func:`~.kernels.lse_forward_kernel`): each program multiplies a block of counted
+rows with the weight rows of one split of the vocabulary, tile by tile in registers, and keeps
+a running max / sum of exponentials, the target logit and (for label smoothing) the sum of
+logits; the splits fill the GPU and are combined by a few small torch ops into one float32
+LSE and one loss per counted row.
+
+Backward (:func:`~.kernels.dhidden_dweight_backward_kernel`): the logit tiles are recomputed,
+turned into ``scale * dL/dz`` without each row's target column and multiplied into float32
+accumulators with atomics; the target column (one float32 coefficient per row, kernels module
+docstring) joins the same float32 accumulators before they are rounded. Gradients are exact
+(no filtering of small softmax values). Memory beyond dH and dW stays under 8 MiB:
+
+- dW (16-bit weights) is accumulated in float32 *inside its own storage*: the vocabulary is
+  processed in groups of halving size; a group of ``c`` rows takes ``2c`` rows of dW's free
+  storage as a float32 accumulator, and when the group is done its rows are rounded once into
+  their final 16-bit place at the front of that region (a copy in passes of doubling length,
+  whose source and destination never overlap). A last small group uses a separate buffer.
+  float32 weights accumulate directly in dW.
+- dH is accumulated in float32 for one group of rows at a time (at most 4 MiB) and added to
+  dH once per vocabulary group: with 16-bit inputs dH is rounded about ``log2(V / 64)`` times,
+  the earlier roundings holding only the (small) non-target columns' share; the target
+  column is added with the last group. When the weight needs no gradient (e.g. a frozen
+  lm_head under LoRA) the vocabulary is one group and dH is rounded once.
+
+Speed: the float32 atomics bound the backward (about ``N*H*V/64`` element adds at 128 x 128
+tiles); on an H200 this path is 2.6-3.8x slower than Cut Cross-Entropy's filtered default and
+3-10x slower than the chunked path (BENCHMARKS.md "## GPU"): it is the choice when memory, not
+time, is short.
+
+Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024), for the
+tiled forward and the recomputing backward; Milakov & Gimelshein (2018) for the online LSE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import single_backward
+from ..base import LossSpec
+from ..chunked import finish_loss
+from .kernels import dhidden_dweight_backward_kernel, lse_forward_kernel
+from .launch import (
+    backward_tile_config,
+    dot_precision,
+    forward_tile_config,
+    launch_dhidden_rows,
+    launch_target_dweight,
+    num_sms,
+    row_align,
+    row_offsets,
+    scale_args,
+    triton_cdiv,
+)
+
+#: float32 accumulator of dH for one group of rows (bytes).
+DH_GROUP_BYTES = 4 * 2**20
+#: Separate float32 accumulator for the last, small vocabulary group (bytes).
+DW_TAIL_BYTES = 1 * 2**20
+
+
+@dataclass
+class ZeroLogitsConfig:
+    spec: LossSpec
+    reduction: str  # "none" | "sum"
+    scale: float | torch.Tensor
+    n_valid: int
+
+
+def lse_forward(hidden, row_off, weight, bias, labels, spec: LossSpec):
+    """Per counted row: ``(loss, lse, z_target, nll)`` (float32 ``[M]``), logits never stored;
+    ``nll = LSE - z_target`` computed without rounding LSE first.
+
+    Args:
+        hidden: ``[..., H]`` hidden states (any strides); rows are read at ``row_off``.
+        row_off: ``[M]`` int64 element offsets of the counted rows in ``hidden``.
+        weight: ``[V, H]``; bias: ``[V]`` or None; labels: ``[M]`` int64 targets in [0, V).
+    """
+    m = labels.shape[0]
+    vocab, hsize = weight.shape
+    dev = hidden.device
+    if m == 0:
+        empty = torch.empty(0, dtype=torch.float32, device=dev)
+        return empty, empty, empty, empty
+    cfg = forward_tile_config(weight.dtype, dev)
+    row_blocks = triton_cdiv(m, cfg.block_m)
+    splits = max(1, min(triton_cdiv(vocab, cfg.block_n), triton_cdiv(2 * num_sms(dev), row_blocks)))
+    per_split = triton_cdiv(triton_cdiv(vocab, splits), cfg.block_n) * cfg.block_n
+    splits = triton_cdiv(vocab, per_split)
+    part = torch.empty(4, splits, m, dtype=torch.float32, device=dev)
+    lse_forward_kernel[(row_blocks, splits)](
+        hidden, row_off, hidden.stride(-1),
+        weight, weight.stride(0), weight.stride(1),
+        bias if bias is not None else weight,
+        labels, part, m, vocab, hsize, per_split,
+        float(spec.softcap or 1.0),
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=spec.softcap is not None,
+        SMOOTHING=spec.label_smoothing != 0.0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=hsize % cfg.block_k == 0,
+        DOT_PRECISION=dot_precision(weight.dtype),
+        UPCAST=dev.type == "cpu",
+        ROW_ALIGN=row_align(hidden),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    run_max, run_sum, z_t, z_s = part.unbind(0)
+    top = run_max.amax(0)
+    log_s = (run_sum * torch.exp(run_max - top)).sum(0).log()
+    lse = top + log_s
+    z_t = z_t.sum(0)
+    # (max - z_t) + log(sum), not lse - z_t: exact for confident rows in float32
+    nll = (top - z_t) + log_s
+    loss = finish_loss(lse, z_t, z_s.sum(0), vocab, spec, nll=nll)
+    return loss, lse, z_t, nll
+
+
+def _vocab_groups(dw: torch.Tensor | None, vocab: int, hsize: int, dev):
+    """``[(v_start, n_cols, acc, dst, in_place)]``: float32 accumulator ``acc [n_cols, H]`` of
+    the group, its 16-bit destination rows ``dst`` (None when ``acc`` is dW itself or absent),
+    and whether ``acc`` lives in dW's storage from ``dst``'s first byte on."""
+    if dw is None:
+        return [(0, vocab, None, None, False)]
+    if dw.dtype == torch.float32:
+        return [(0, vocab, dw, None, False)]
+    flat = dw.view(-1)
+    tail_rows = max(16, DW_TAIL_BYTES // (4 * hsize))
+    groups = []
+    start, remaining = 0, vocab
+    while remaining > tail_rows:
+        size = (remaining - 1) // 2
+        e0 = start * hsize
+        e0 += e0 % 2  # 4-byte alignment of the float32 view
+        acc = flat[e0 : e0 + 2 * size * hsize].view(torch.float32).view(size, hsize)
+        groups.append((start, size, acc, dw[start : start + size], True))
+        start += size
+        remaining -= size
+    tail = torch.empty(remaining, hsize, dtype=torch.float32, device=dev)
+    groups.append((start, remaining, tail, dw[start:], False))
+    return groups
+
+
+def _round_into(dst: torch.Tensor, acc: torch.Tensor, in_place: bool):
+    """``dst[:] = acc`` (float32 → 16-bit). With ``in_place`` the float32 rows live in the same
+    storage from ``dst``'s first byte on: copy in passes ``[a, 2a)`` that never overlap."""
+    n = dst.shape[0]
+    if not in_place:
+        dst.copy_(acc)
+        return
+    dst[:1].copy_(acc[:1].clone())
+    a = 1
+    while a < n:
+        b = min(2 * a, n)
+        dst[a:b].copy_(acc[a:b])
+        a = b
+
+
+class TritonZeroLogitsLinearCrossEntropy(torch.autograd.Function):
+    """``apply(hidden, weight, bias, labels, valid_rows, cfg)`` → ``[N]`` float32 losses
+    (``"none"``) or the 0-d ``scale * sum``. See the module docstring."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, valid_rows, cfg: ZeroLogitsConfig):
+        y_valid = labels.index_select(0, valid_rows)
+        row_off = row_offsets(hidden, valid_rows)
+        loss, lse, z_t, nll = lse_forward(hidden, row_off, weight, bias, y_valid, cfg.spec)
+        ctx.cfg = cfg
+        ctx.save_for_backward(hidden, weight, bias, valid_rows, y_valid, row_off, lse, z_t, nll)
+        if cfg.reduction == "none":
+            out = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device)
+            return out.index_copy_(0, valid_rows, loss)
+        return loss.sum() * cfg.scale
+
+    @staticmethod
+    @single_backward
+    def backward(ctx, grad_out):
+        cfg: ZeroLogitsConfig = ctx.cfg
+        spec = cfg.spec
+        hidden, weight, bias, valid_rows, y_valid, row_off, lse, z_t, nll = ctx.saved_tensors
+        need_h = ctx.needs_input_grad[0]
+        need_w = ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        m = cfg.n_valid
+        vocab, hsize = weight.shape
+        dev = hidden.device
+        n = hidden.numel() // hsize
+
+        dh = torch.zeros(n, hsize, dtype=hidden.dtype, device=dev) if need_h else None
+        dw = None
+        if need_w:
+            dw = torch.empty(vocab, hsize, dtype=weight.dtype, device=dev)
+            if dw.dtype == torch.float32:
+                dw.zero_()
+        db = torch.zeros(vocab, dtype=torch.float32, device=dev) if need_b else None
+
+        if cfg.reduction == "none":
+            scale = grad_out.reshape(-1).to(torch.float32).index_select(0, valid_rows)
+        else:
+            scale = grad_out.to(torch.float32) * cfg.scale
+        mode, scale_t, scale_v = scale_args(scale, dev)
+
+        tc = backward_tile_config(weight.dtype, dev)
+        group_rows = max(tc.block_m, DH_GROUP_BYTES // (4 * hsize) // tc.block_m * tc.block_m)
+        group_rows = min(group_rows, triton_cdiv(max(m, 1), tc.block_m) * tc.block_m)
+        dh_acc = torch.empty(group_rows, hsize, dtype=torch.float32, device=dev) if need_h else None
+        dummy = torch.empty(1, dtype=torch.float32, device=dev)
+        precision = dot_precision(weight.dtype)
+        align = row_align(hidden)
+
+        # The target column, in float32: coef_r = scale_r * dL/dz_{r, y_r}; it joins the
+        # float32 accumulators before their (last) rounding.
+        row_scale = scale if scale.dim() == 1 else scale.expand(m)
+        p_y = torch.exp(-nll)  # not exp(z_t - lse): lse's rounding would dominate p_y - 1
+        if spec.z_loss:
+            p_y = p_y * (1.0 + 2.0 * spec.z_loss * lse)
+        coef = p_y - (1.0 - spec.label_smoothing) - spec.label_smoothing / vocab
+        if spec.softcap is not None:
+            coef = coef * (1.0 - (z_t / spec.softcap) ** 2)
+        coef = (coef * row_scale).contiguous()
+        by_label = torch.sort(y_valid, stable=True) if (need_w or need_b) else None
+
+        groups = _vocab_groups(dw, vocab, hsize, dev)
+        for gi, (v_start, n_cols, acc, dst, in_place) in enumerate(groups):
+            last = gi == len(groups) - 1
+            if acc is not None and dst is not None:
+                acc.zero_()
+            for g0 in range(0, m, group_rows):
+                r = min(group_rows, m - g0)
+                if need_h:
+                    dh_acc[:r].zero_()
+                dhidden_dweight_backward_kernel[
+                    (triton_cdiv(r, tc.block_m), triton_cdiv(n_cols, tc.block_n))
+                ](
+                    hidden, row_off[g0:], hidden.stride(-1),
+                    weight, weight.stride(0), weight.stride(1),
+                    bias if bias is not None else weight,
+                    y_valid[g0:],
+                    lse[g0:],
+                    scale_t[g0:] if mode == 2 else scale_t,
+                    scale_v,
+                    dh_acc if need_h else dummy,
+                    acc if acc is not None else dummy,
+                    db if need_b else dummy,
+                    r, v_start, n_cols, vocab, hsize,
+                    float(spec.softcap or 1.0),
+                    float(spec.label_smoothing),
+                    float(spec.z_loss),
+                    HAS_BIAS=bias is not None,
+                    HAS_SOFTCAP=spec.softcap is not None,
+                    SMOOTHING=spec.label_smoothing != 0.0,
+                    Z_LOSS=spec.z_loss != 0.0,
+                    SCALE_MODE=mode,
+                    NEED_H=need_h,
+                    NEED_W=acc is not None,
+                    NEED_B=need_b,
+                    BLOCK_M=tc.block_m, BLOCK_N=tc.block_n, BLOCK_K=tc.block_k,
+                    BLOCK_H=tc.block_h,
+                    EVEN_K=hsize % tc.block_k == 0,
+                    DOT_PRECISION=precision,
+                    UPCAST=dev.type == "cpu",
+                    FIX_RNE=dev.type == "cpu",
+                    ROW_ALIGN=align,
+                    num_warps=tc.num_warps, num_stages=tc.num_stages,
+                )
+                if need_h:
+                    rows = slice(g0, g0 + r)
+                    launch_dhidden_rows(
+                        dh, valid_rows[rows], part=dh_acc[:r], accumulate=True,
+                        coef=coef[rows] if last else None, labels=y_valid[rows], weight=weight,
+                    )
+            if acc is not None or need_b:
+                launch_target_dweight(
+                    acc, db, y_valid, coef, hidden, row_off, v_lo=v_start,
+                    v_hi=v_start + n_cols, sorted_labels=by_label,
+                )
+            if dst is not None:
+                _round_into(dst, acc, in_place)
+
+        return (
+            None if dh is None else dh.view(hidden.shape),
+            dw,
+            None if db is None else db.to(bias.dtype),
+            None,
+            None,
+            None,
+        )

@@ -1,0 +1,180 @@
+"""Backend ``"triton"`` on a CUDA GPU at real sizes (marker ``gpu``; skipped without CUDA).
+
+Run: ``pytest -m gpu tests/gpu -q``. References are computed on the GPU in float32 (TF32 off)
+from the same low-precision inputs; low-precision results are held to "no worse than
+PyTorch's own path" (a linear in the input dtype, then float32 cross-entropy) by
+:data:`SLACK`, as in the CPU suite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fused_ce_patch import fused_linear_cross_entropy
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SLACK = 1.25
+MiB = 2**20
+
+
+@pytest.fixture(autouse=True)
+def _fp32_matmul_exact():
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def inputs(n, h, v, dtype=torch.bfloat16, bias=False, ignore=0.1, logit_std=1.0):
+    dev = "cuda"
+    hidden = torch.randn(n, h, device=dev).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h, device=dev) * (logit_std / math.sqrt(h))).to(dtype)
+    weight.requires_grad_()
+    labels = torch.randint(0, v, (n,), device=dev)
+    labels[torch.rand(n, device=dev) < ignore] = -100
+    b = (torch.randn(v, device=dev) * 0.5).to(dtype).requires_grad_() if bias else None
+    return hidden, weight, labels, b
+
+
+def reference(hidden, weight, labels, bias=None, reduction="mean", softcap=None,
+              label_smoothing=0.0, z_loss=0.0, upcast=True):  # fmt: skip
+    """The loss through materialised logits: float32 (``upcast``) or PyTorch's own path."""
+    h, w = (hidden.float(), weight.float()) if upcast else (hidden, weight)
+    b = None if bias is None else (bias.float() if upcast else bias)
+    z = F.linear(h, w, b).float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    per = F.cross_entropy(z, labels, reduction="none", label_smoothing=label_smoothing)
+    if z_loss:
+        per = per + z_loss * torch.logsumexp(z, -1).square() * (labels != -100)
+    if reduction == "none":
+        return per
+    total = per.sum()
+    return total / (labels != -100).sum().clamp(min=1) if reduction == "mean" else total
+
+
+def compare(n, h, v, budget, dtype=torch.bfloat16, bias=False, reduction="mean", **opts):
+    hidden, weight, labels, b = inputs(n, h, v, dtype, bias)
+    leaves = [t for t in (hidden, weight, b) if t is not None]
+    up = torch.rand(n, device="cuda") if reduction == "none" else torch.tensor(1.0, device="cuda")
+    out = {}
+    for who, fn in (
+        ("ours", lambda: fused_linear_cross_entropy(
+            hidden, weight, labels, bias=b, reduction=reduction, backend="triton",
+            logits_budget=budget, **opts)),  # fmt: skip
+        ("ref", lambda: reference(hidden, weight, labels, b, reduction, **opts)),
+        ("torch", lambda: reference(hidden, weight, labels, b, reduction, upcast=False, **opts)),
+    ):
+        loss = fn()
+        out[who] = (loss, *torch.autograd.grad(loss, leaves, up.to(loss.dtype)))
+        del loss
+    errs = []
+    for i in range(len(leaves) + 1):
+        ours, ref, theirs = (out[w][i] for w in ("ours", "ref", "torch"))
+        assert torch.isfinite(ours).all()
+        e, e_torch = rel(ours, ref), rel(theirs, ref)
+        errs.append((e, e_torch))
+        tol = 1e-5 if dtype == torch.float32 else SLACK * e_torch + 1e-6
+        assert e <= tol, f"output {i}: error {e:.3g} vs torch's {e_torch:.3g}"
+    return errs
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["chunked", "zero-logits"])
+@pytest.mark.parametrize(
+    "n,h,v,opts",
+    [
+        (4096, 4096, 128256, {}),
+        (2048, 2304, 256000, {"softcap": 30.0}),
+        (3001, 1003, 32003, {"label_smoothing": 0.1, "z_loss": 1e-4, "bias": True}),
+        (2048, 640, 262144, {"reduction": "none"}),
+    ],
+    ids=["llama3", "gemma2-softcap", "odd-everything", "gemma3-none"],
+)
+def test_bf16_real_sizes(budget, n, h, v, opts):
+    compare(n, h, v, budget, **opts)
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["chunked", "zero-logits"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_other_dtypes(budget, dtype):
+    compare(1024, 1024, 50257, budget, dtype=dtype, reduction="sum", softcap=20.0)
+
+
+@pytest.mark.parametrize("budget", [None, 0, 6 * 2**30], ids=["chunked", "zero-logits", "6GiB"])
+def test_n_times_v_beyond_int32(budget):
+    """N * V = 32768 * 128256 > 2**31 (and, at a 6 GiB budget, one chunk's logits too)."""
+    n, h, v = 32768, 256, 128256
+    assert n * v > 2**31
+    compare(n, h, v, budget, softcap=30.0)
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["chunked", "zero-logits"])
+def test_noncontiguous_hidden_and_tensor_num_items(budget):
+    b, t, h, v = 4, 700, 896, 151936
+    base = torch.randn(t + 37, b, h, device="cuda", dtype=torch.bfloat16)
+    hidden = base.transpose(0, 1)[:, -t:, :].detach().requires_grad_()
+    weight = (torch.randn(v, h, device="cuda") / math.sqrt(h)).bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (b, t), device="cuda")
+    labels[:, :50] = -100
+    num = torch.tensor(5000, device="cuda")
+    ours = fused_linear_cross_entropy(hidden, weight, labels, num_items_in_batch=num,
+                                      shift=True, backend="triton", logits_budget=budget)
+    shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], 1)
+    ref = reference(hidden.reshape(-1, h), weight, shifted.reshape(-1), reduction="sum") / 5000
+    theirs = reference(hidden.reshape(-1, h), weight, shifted.reshape(-1), reduction="sum",
+                       upcast=False) / 5000  # fmt: skip
+    for a, r, t_ in zip(
+        (ours, *torch.autograd.grad(ours, [hidden, weight])),
+        (ref, *torch.autograd.grad(ref, [hidden, weight])),
+        (theirs, *torch.autograd.grad(theirs, [hidden, weight])),
+    ):
+        assert rel(a, r) <= SLACK * rel(t_, r) + 1e-6
+
+
+@pytest.mark.parametrize("budget,limit", [(None, 256 * MiB), (0, 8 * MiB)],
+                         ids=["chunked", "zero-logits"])  # fmt: skip
+@pytest.mark.parametrize("h,v", [(4096, 128256), (4096, 32000), (2304, 256000)],
+                         ids=["llama3", "llama2", "gemma2"])  # fmt: skip
+def test_peak_memory_beyond_grads(budget, limit, h, v):
+    """Peak allocated during fwd+bwd beyond the inputs and the bf16 dH, dW themselves."""
+    n = 8192
+    hidden, weight, labels, _ = inputs(n, h, v)
+    fused_linear_cross_entropy(hidden, weight, labels, backend="triton",
+                               logits_budget=budget).backward()  # fmt: skip  (warm-up)
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fused_linear_cross_entropy(hidden, weight, labels, backend="triton",
+                               logits_budget=budget).backward()  # fmt: skip
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - (n + v) * h * 2
+    print(f"extra = {extra / MiB:.1f} MiB")
+    assert extra <= limit
+
+
+def test_auto_picks_triton_for_cuda(monkeypatch):
+    from fused_ce_patch.backends import triton as triton_backend
+    from fused_ce_patch.backends.triton import chunked_path
+
+    calls = []
+    original = chunked_path.TritonChunkedLinearCrossEntropy.apply
+    monkeypatch.setattr(chunked_path.TritonChunkedLinearCrossEntropy, "apply",
+                        lambda *a: calls.append(1) or original(*a))  # fmt: skip
+    hidden, weight, labels, _ = inputs(64, 64, 1000)
+    fused_linear_cross_entropy(hidden, weight, labels)
+    assert calls and triton_backend.TritonBackend.name == "triton"
