@@ -345,15 +345,17 @@ def save(args, env, rows, plot=False):
     for k, (key, label, log) in enumerate((("ms", "fwd+bwd ms (median)", False),
                                             ("extra_mib", "extra memory MiB", True))):  # fmt: skip
         ax = axes[k]
+        measured = False
         for i, impl in enumerate(impls):
             vals = [next((r.get(key, math.nan) for r in ok
                           if r["shape"] == s and r["impl"] == impl), math.nan)
                     for s in shapes]  # fmt: skip  (NaN: not measured, no bar)
+            measured = measured or any(not math.isnan(x) for x in vals)
             ax.bar([j + i * width for j in range(len(shapes))], [max(x, 0.1) for x in vals],
                    width, label=impl)  # fmt: skip
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, rotation=20)
         ax.set_ylabel(label)
-        if log:
+        if log and measured:  # a CPU dry run measures no memory: a log axis of NaNs fails
             ax.set_yscale("log")
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{env.get('gpu', env['device'])}, torch {env['torch']}, triton {env['triton']}")

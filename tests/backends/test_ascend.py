@@ -26,7 +26,9 @@ if importlib.util.find_spec("triton") is None:
 _saved = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
 try:
-    from fused_ce_patch.backends.ascend import chunked_path, launch, zero_logits  # noqa: E402
+    from fused_ce_patch.backends.ascend import launch  # noqa: E402
+    from fused_ce_patch.backends.triton import chunked_path, zero_logits  # noqa: E402
+    from fused_ce_patch.backends.triton.launch import CUDA_LAUNCHERS  # noqa: E402
 finally:
     if _saved is None:
         del os.environ["TRITON_INTERPRET"]
@@ -72,15 +74,18 @@ def case(request, _interpreter):
 
 
 def _spy_paths(monkeypatch):
+    """Which shared driver each call runs with the ascend launchers (calls of backend
+    "triton", which runs the same drivers with its CUDA launchers, are not counted)."""
     calls = []
     for label, fn in (
-        ("chunked", chunked_path.AscendChunkedLinearCrossEntropy),
-        ("zero", zero_logits.AscendZeroLogitsLinearCrossEntropy),
+        ("chunked", chunked_path.TritonChunkedLinearCrossEntropy),
+        ("zero", zero_logits.TritonZeroLogitsLinearCrossEntropy),
     ):
         original = fn.apply
 
         def spy(*args, _label=label, _orig=original):
-            calls.append(_label)
+            if isinstance(args[-1].launchers, launch.AscendLaunchers):
+                calls.append(_label)
             return _orig(*args)
 
         monkeypatch.setattr(fn, "apply", spy)
@@ -140,9 +145,9 @@ def test_kernels_launch_with_the_configured_blocks_and_persistent_grids(monkeypa
     spec = chip_mod.INTERPRETER
     cfg = config_mod.launch_config(int((labels != -100).sum()), 24, 97,
                                               torch.float32, spec)  # fmt: skip
-    path = (["lse_forward_tiles_kernel", "dhidden_dweight_tiles_kernel"] if budget == 0
-            else ["logits_grad_rows_kernel"])  # fmt: skip
-    for name in path + ["dhidden_rows_kernel", "target_dweight_runs_kernel"]:
+    path = (["lse_forward_tiles_kernel", "dhidden_dweight_tiles_kernel", "dhidden_rows_kernel"]
+            if budget == 0 else ["logits_grad_rows_kernel"])  # fmt: skip
+    for name in path + ["target_dweight_runs_kernel"]:
         assert name in grids, (name, sorted(grids))
     for name, launches in grids.items():
         for grid, kw in launches:
@@ -214,3 +219,33 @@ def test_bf16_zero_logits_matches_pytorch_precision(oracle):
         e_ours = oracle.rel_err(res["ours"][i], res["ref"][i])
         e_torch = oracle.rel_err(res["torch"][i], res["ref"][i])
         assert e_ours <= 1.25 * e_torch + 1e-6, (i, e_ours, e_torch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_target_dweight_on_a_vocabulary_slice_as_the_cuda_launchers(dtype):
+    """``target_dweight`` with ``[v_lo, v_hi)`` (how the zero-logits driver calls it for each
+    vocabulary group of a 16-bit dW): only those labels, into a float32 accumulator of those
+    rows; the same as the CUDA launchers' and as float64."""
+    g = torch.Generator().manual_seed(0)
+    m, h, v = 40, 24, 50
+    labels = torch.randint(0, v, (m,), generator=g)
+    coef = torch.randn(m, generator=g)
+    hidden = torch.randn(m + 3, h, generator=g).to(dtype)
+    rows = torch.randperm(m + 3, generator=g)[:m]
+    row_off = rows * h
+    chip = chip_mod.detect_chip(torch.device("cpu"))
+    launchers = (launch.AscendLaunchers(config_mod.launch_config(m, h, v, dtype, chip)),
+                 CUDA_LAUNCHERS)  # fmt: skip
+    for v_lo, v_hi in ((0, 17), (17, 41), (41, 50)):
+        start = torch.randn(v_hi - v_lo, h, generator=g)
+        inside = (labels >= v_lo) & (labels < v_hi)
+        products = coef[inside, None].double() * hidden[rows[inside]].double()
+        want_w = start.double().index_add(0, labels[inside] - v_lo, products)
+        want_b = torch.zeros(v, dtype=torch.float64).index_add(0, labels[inside],
+                                                               coef[inside].double())  # fmt: skip
+        for lau in launchers:
+            dw, db = start.clone(), torch.zeros(v)
+            lau.target_dweight(dw, db, labels, coef, hidden, row_off, v_lo=v_lo, v_hi=v_hi,
+                               by_label=lau.sort_by_label(labels))  # fmt: skip
+            torch.testing.assert_close(dw.double(), want_w, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(db.double(), want_b, rtol=1e-6, atol=1e-6)

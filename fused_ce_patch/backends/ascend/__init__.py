@@ -1,17 +1,19 @@
 """Backend ``"ascend"``: fused linear cross-entropy on Huawei Ascend NPUs through triton-ascend.
 
-The two algorithms of backend ``"triton"``, chosen by ``logits_budget`` the same way:
+The two algorithms of backend ``"triton"``, run by its drivers and chosen by ``logits_budget``
+the same way (:func:`~fused_ce_patch.backends.triton.run_paths`):
 
-- budget > 0 (default :data:`DEFAULT_BUDGET`): the chunked path (:mod:`.chunked_path`): per
-  chunk of counted rows, logits by one matmul in the input dtype, one Triton kernel that
-  writes the logits gradient over them, dH and dW by matmuls.
-- budget 0, or too small for 16 whole rows: the zero-logits path (:mod:`.zero_logits`): logit
-  tiles live on chip only; forward keeps one float32 LSE per counted row, backward recomputes.
+- budget > 0 (default :data:`DEFAULT_BUDGET`): the chunked path
+  (``triton/chunked_path.py``): per chunk of counted rows, logits by one matmul in the input
+  dtype, one Triton kernel that writes the logits gradient over them, dH and dW by matmuls.
+- budget 0, or too small for 16 whole rows: the zero-logits path (``triton/zero_logits.py``):
+  logit tiles live on chip only; forward keeps one float32 LSE per counted row, backward
+  recomputes.
 
-What is NPU-specific is the launch (:mod:`.config`): block sizes derived from the chip's
-Unified Buffer, persistent grids of one program per AI / vector core, and kernels restricted
-to what triton-ascend supports (:mod:`.kernels`). float64 inputs run the ``torch`` backend's
-chunked algorithm.
+What is NPU-specific is the launch: the drivers call this backend's kernels (:mod:`.kernels`,
+restricted to what triton-ascend supports) through :class:`~.launch.AscendLaunchers`, with
+block sizes derived from the chip's Unified Buffer and persistent grids of one program per AI /
+vector core (:mod:`.config`). float64 inputs run the ``torch`` backend's chunked algorithm.
 
 Availability: ``torch_npu`` and triton-ascend must import; neither is imported until a call
 needs them (``import fused_ce_patch`` stays light). ``"auto"`` picks this backend for ``npu``
@@ -30,10 +32,9 @@ import torch
 from ..base import Backend, Problem
 from ..registry import register
 
-#: Default transient-logits budget of the chunked path (bytes), as backend ``"triton"``.
+#: Default transient-logits budget of the chunked path (bytes); fewer than
+#: :data:`~fused_ce_patch.backends.triton.MIN_CHUNK_ROWS` whole rows run the zero-logits path.
 DEFAULT_BUDGET = 224 * 2**20
-#: Fewest whole rows a chunk should hold; smaller budgets run the zero-logits path.
-MIN_CHUNK_ROWS = 16
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -106,55 +107,22 @@ class AscendBackend(Backend):
         )
 
     def run(self, problem: Problem) -> torch.Tensor:
-        hidden, weight, bias = problem.hidden, problem.weight, problem.bias
-        if hidden.dtype == torch.float64:
+        if problem.hidden.dtype == torch.float64:
             from ..torch_chunked import TorchBackend
 
             return TorchBackend().run(problem)
 
+        from ..triton import run_paths
         from .chip import detect_chip
         from .config import launch_config
+        from .launch import AscendLaunchers
 
-        chip = detect_chip(hidden.device)
+        hidden = problem.hidden
         launch = launch_config(problem.n_valid, problem.hidden_size, problem.vocab_size,
-                               hidden.dtype, chip)  # fmt: skip
-        grad_on = torch.is_grad_enabled()
-        need = (
-            grad_on and hidden.requires_grad,
-            grad_on and weight.requires_grad,
-            grad_on and bias is not None and bias.requires_grad,
-        )
+                               hidden.dtype, detect_chip(hidden.device))  # fmt: skip
         budget = DEFAULT_BUDGET if problem.logits_budget is None else problem.logits_budget
         rows = budget // (problem.vocab_size * hidden.element_size())
-        if budget > 0 and rows >= min(MIN_CHUNK_ROWS, max(problem.n_valid, 1)):
-            from .chunked_path import AscendChunkedLinearCrossEntropy, ChunkedConfig
-
-            cfg = ChunkedConfig(
-                spec=problem.spec,
-                reduction=problem.reduction,
-                scale=problem.scale,
-                n_valid=problem.n_valid,
-                rows=max(1, min(rows, problem.n_valid)),
-                eager=problem.reduction == "sum" and any(need),
-                need=need,
-                launch=launch,
-            )
-            return AscendChunkedLinearCrossEntropy.apply(
-                hidden, weight, bias, problem.labels, problem.valid_rows, cfg
-            )
-
-        from .zero_logits import AscendZeroLogitsLinearCrossEntropy, ZeroLogitsConfig
-
-        cfg = ZeroLogitsConfig(
-            spec=problem.spec,
-            reduction=problem.reduction,
-            scale=problem.scale,
-            n_valid=problem.n_valid,
-            launch=launch,
-        )
-        return AscendZeroLogitsLinearCrossEntropy.apply(
-            hidden, weight, bias, problem.labels, problem.valid_rows, cfg
-        )
+        return run_paths(problem, rows, AscendLaunchers(launch))
 
 
 register(AscendBackend())

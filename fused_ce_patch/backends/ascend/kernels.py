@@ -2,7 +2,10 @@
 
 The math is the ``triton`` backend's (its ``kernels`` module docstring): the dense part of
 ``scale * dL/dz`` (every column but the target) is written by the kernels in the input dtype;
-the target column is one float32 coefficient per row, added to dH and dW exactly.
+the target column is one float32 coefficient per row, added to dH and dW exactly, with
+``p_y = exp(-nll)`` from the unrounded ``nll = LSE - z_y`` (``exp(z_y - LSE)`` would let LSE's
+float32 rounding dominate ``p_y - 1`` for confident rows). The kernels are launched by
+:class:`~.launch.AscendLaunchers` from the ``triton`` backend's drivers.
 
 What differs for the NPU, and why:
 
@@ -97,6 +100,7 @@ def logits_grad_rows_kernel(
     stride_z,
     labels_ptr,
     lse_ptr,
+    nll_ptr,
     loss_ptr,
     coef_ptr,
     scale_ptr,
@@ -119,7 +123,8 @@ def logits_grad_rows_kernel(
 
     Grid ``(P,)``, P <= vector cores; program ``p`` handles rows ``p, p + P, ...``.
     ``COMPUTE_LSE``: one pass over the row with a scalar running max and sum; writes
-    ``lse[row]`` and ``loss[row]`` (float32). Otherwise ``lse[row]`` is read.
+    ``lse[row]``, ``nll[row]`` (``LSE - z_y`` without rounding LSE first) and ``loss[row]``
+    (float32). Otherwise ``lse[row]`` and ``nll[row]`` are read.
     ``WRITE_GRAD``: a second pass overwrites the row with ``scale * dL/dz`` in the input
     dtype, 0 in the target column, and writes that column's value to ``coef[row]`` (float32).
     """
@@ -151,15 +156,18 @@ def logits_grad_rows_kernel(
                 m = m_new
             log_s = tl.log(s)
             lse = m + log_s
-            loss = (m - z_y) + log_s  # not lse - z_y: exact for confident rows in float32
+            nll = (m - z_y) + log_s  # not lse - z_y: exact for confident rows in float32
+            loss = nll
             if SMOOTHING:
                 loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - z_sum / vocab)
             if Z_LOSS:
                 loss += z_loss * lse * lse
             tl.store(lse_ptr + r64, lse)
+            tl.store(nll_ptr + r64, nll)
             tl.store(loss_ptr + r64, loss)
         else:
             lse = tl.load(lse_ptr + r64)
+            nll = tl.load(nll_ptr + r64)
 
         if WRITE_GRAD:
             y_in_block = tl.cast(y, tl.int32)  # keeps the column arithmetic 32-bit (V < 2**31)
@@ -180,7 +188,7 @@ def logits_grad_rows_kernel(
                     g = g * (1.0 - t * t)
                 g = tl.where(cols == y_in_block - v0, 0.0, g)
                 tl.store(z_row + v0 + cols, _to(g, z_ptr.dtype.element_ty, RNE_BF16), mask=mask)
-            coef = tl.exp(z_y - lse) * p_scale - (1.0 - label_smoothing) * scale
+            coef = tl.exp(-nll) * p_scale - (1.0 - label_smoothing) * scale  # p_y from nll
             if SMOOTHING:
                 coef -= scale * label_smoothing / vocab
             if HAS_SOFTCAP:
@@ -251,18 +259,22 @@ def target_dweight_runs_kernel(
     stride_hk,
     n_runs,
     hidden_size,
+    v_lo,
+    v_hi,
     NEED_W: tl.constexpr,
     NEED_B: tl.constexpr,
     BLOCK_H: tl.constexpr,
     RNE_BF16: tl.constexpr,
 ):
-    """Target part of dW and db: ``dW[y] += sum_{r: y_r = y} coef_r h_r``, ``db[y] += sum coef_r``.
+    """Target part of dW and db for labels in ``[v_lo, v_hi)``:
+    ``dW[y - v_lo] += sum_{r: y_r = y} coef_r h_r``, ``db[y] += sum coef_r``.
 
     Counted rows are sorted by label on the host; run ``k`` (one distinct label
     ``run_labels[k]``) covers sorted positions ``[run_starts[k], run_starts[k + 1])``, and
     ``order[j]`` maps sorted position ``j`` to the row's index in ``coef`` and ``row_off``.
     Grid ``(P,)``, P <= vector cores; each program owns whole runs, so every ``dW`` row is
     written by one program, once per ``H`` block, with one rounding (deterministic, no atomics).
+    ``dW`` may be a float32 accumulator of the rows ``[v_lo, v_hi)`` only.
     """
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -270,27 +282,28 @@ def target_dweight_runs_kernel(
     for k in range(pid, n_runs, n_prog):
         k64 = tl.cast(k, tl.int64)
         y = tl.load(run_labels_ptr + k64).to(tl.int64)
-        start = tl.load(run_starts_ptr + k64)
-        end = tl.load(run_starts_ptr + k64 + 1)
-        if NEED_B:
-            coef_sum = 0.0
-            for j in range(start, end):
-                coef_sum += tl.load(coef_ptr + tl.load(order_ptr + j))
-            tl.store(db_ptr + y, tl.load(db_ptr + y) + coef_sum)
-        if NEED_W:
-            dst_row = dw_ptr + y * stride_dwv
-            for h0 in range(0, hidden_size, BLOCK_H):
-                mask = hs < hidden_size - h0
-                acc = tl.zeros([BLOCK_H], tl.float32)
+        if (y >= v_lo) & (y < v_hi):
+            start = tl.load(run_starts_ptr + k64)
+            end = tl.load(run_starts_ptr + k64 + 1)
+            if NEED_B:
+                coef_sum = 0.0
                 for j in range(start, end):
-                    r = tl.load(order_ptr + j)
-                    coef = tl.load(coef_ptr + r)
-                    h_row = h_ptr + tl.load(row_off_ptr + r)
-                    h = tl.load(h_row + (h0 + hs) * stride_hk, mask=mask, other=0.0)
-                    acc += coef * h.to(tl.float32)
-                acc += tl.load(dst_row + h0 + hs, mask=mask, other=0.0).to(tl.float32)
-                out = _to(acc, dw_ptr.dtype.element_ty, RNE_BF16)
-                tl.store(dst_row + h0 + hs, out, mask=mask)
+                    coef_sum += tl.load(coef_ptr + tl.load(order_ptr + j))
+                tl.store(db_ptr + y, tl.load(db_ptr + y) + coef_sum)
+            if NEED_W:
+                dst_row = dw_ptr + (y - v_lo) * stride_dwv
+                for h0 in range(0, hidden_size, BLOCK_H):
+                    mask = hs < hidden_size - h0
+                    acc = tl.zeros([BLOCK_H], tl.float32)
+                    for j in range(start, end):
+                        r = tl.load(order_ptr + j)
+                        coef = tl.load(coef_ptr + r)
+                        h_row = h_ptr + tl.load(row_off_ptr + r)
+                        h = tl.load(h_row + (h0 + hs) * stride_hk, mask=mask, other=0.0)
+                        acc += coef * h.to(tl.float32)
+                    acc += tl.load(dst_row + h0 + hs, mask=mask, other=0.0).to(tl.float32)
+                    out = _to(acc, dw_ptr.dtype.element_ty, RNE_BF16)
+                    tl.store(dst_row + h0 + hs, out, mask=mask)
 
 
 @triton.jit

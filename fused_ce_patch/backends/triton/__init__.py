@@ -9,7 +9,9 @@ Two algorithms, chosen by ``logits_budget``:
   forward keeps one float32 LSE per counted row, backward recomputes the tiles.
 
 A positive budget too small for 16 whole rows of logits (or for all rows, if fewer) runs the
-zero-logits path, which needs only a few MiB. float64 inputs run the ``torch`` backend's
+zero-logits path, which needs only a few MiB (:func:`run_paths`). The drivers call their
+kernels through a launcher object (:class:`~.launch.Launchers`), so backend ``"ascend"`` runs
+the same drivers with its own kernels. float64 inputs run the ``torch`` backend's
 chunked algorithm (Triton's float64 matmuls would gain nothing over it).
 
 Precision: 16-bit inputs multiply on tensor cores with float32 accumulation; float32 inputs
@@ -79,47 +81,59 @@ class TritonBackend(Backend):
             from ..torch_chunked import TorchBackend
 
             return TorchBackend().run(problem)
-
-        hidden, weight, bias = problem.hidden, problem.weight, problem.bias
-        grad_on = torch.is_grad_enabled()
-        need = (
-            grad_on and hidden.requires_grad,
-            grad_on and weight.requires_grad,
-            grad_on and bias is not None and bias.requires_grad,
-        )
         budget = problem.logits_budget
-        per_row = problem.vocab_size * hidden.element_size()
+        per_row = problem.vocab_size * problem.hidden.element_size()
         if budget is None:
             budget = default_budget(problem.n_valid)
-            per_row += 2 * problem.hidden_size * hidden.element_size()
-        rows = budget // per_row
-        if budget > 0 and rows >= min(MIN_CHUNK_ROWS, max(problem.n_valid, 1)):
-            from .chunked_path import ChunkedConfig, TritonChunkedLinearCrossEntropy, plan_rows
+            per_row += 2 * problem.hidden_size * problem.hidden.element_size()
+        return run_paths(problem, budget // per_row)
 
-            cfg = ChunkedConfig(
-                spec=problem.spec,
-                reduction=problem.reduction,
-                scale=problem.scale,
-                n_valid=problem.n_valid,
-                rows=plan_rows(problem.n_valid, rows),
-                eager=problem.reduction == "sum" and any(need),
-                need=need,
-            )
-            return TritonChunkedLinearCrossEntropy.apply(
-                hidden, weight, bias, problem.labels, problem.valid_rows, cfg
-            )
 
-        from .zero_logits import TritonZeroLogitsLinearCrossEntropy, ZeroLogitsConfig
+def run_paths(problem: Problem, rows_max: int, launchers=None) -> torch.Tensor:
+    """Run a 16/32-bit ``problem`` on the chunked path, at most ``rows_max`` counted rows a
+    chunk in chunks of (nearly) equal size, or on the zero-logits path when fewer than
+    :data:`MIN_CHUNK_ROWS` whole rows fit (or all rows, if fewer; ``rows_max`` is 0 for
+    ``logits_budget=0``). The drivers launch their kernels through ``launchers``
+    (:class:`~.launch.Launchers`; None: the CUDA kernels). Shared with backend ``"ascend"``.
+    """
+    hidden, weight, bias = problem.hidden, problem.weight, problem.bias
+    grad_on = torch.is_grad_enabled()
+    need = (
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )
+    if launchers is None:
+        from .launch import CUDA_LAUNCHERS as launchers
+    if rows_max >= min(MIN_CHUNK_ROWS, max(problem.n_valid, 1)):
+        from .chunked_path import ChunkedConfig, TritonChunkedLinearCrossEntropy, plan_rows
 
-        cfg = ZeroLogitsConfig(
+        cfg = ChunkedConfig(
             spec=problem.spec,
             reduction=problem.reduction,
             scale=problem.scale,
             n_valid=problem.n_valid,
+            rows=plan_rows(problem.n_valid, rows_max),
+            eager=problem.reduction == "sum" and any(need),
+            need=need,
+            launchers=launchers,
         )
-        return TritonZeroLogitsLinearCrossEntropy.apply(
+        return TritonChunkedLinearCrossEntropy.apply(
             hidden, weight, bias, problem.labels, problem.valid_rows, cfg
         )
+
+    from .zero_logits import TritonZeroLogitsLinearCrossEntropy, ZeroLogitsConfig
+
+    cfg = ZeroLogitsConfig(
+        spec=problem.spec,
+        reduction=problem.reduction,
+        scale=problem.scale,
+        n_valid=problem.n_valid,
+        launchers=launchers,
+    )
+    return TritonZeroLogitsLinearCrossEntropy.apply(
+        hidden, weight, bias, problem.labels, problem.valid_rows, cfg
+    )
 
 
 register(TritonBackend())

@@ -1,17 +1,20 @@
-"""Chunked path of backend ``"triton"`` (``logits_budget > 0``).
+"""Chunked path of backends ``"triton"`` and ``"ascend"`` (``logits_budget > 0``).
 
 Counted rows are cut into chunks whose logits fit the budget; per chunk::
 
-    z      = h_c @ W.T (+ b)                  cuBLAS, input dtype, [r, V]
-    z      = logits_grad_inplace(z)           one Triton kernel: LSE, loss, and scale * dL/dz
+    z      = h_c @ W.T (+ b)                  torch matmul (cuBLAS), input dtype, [r, V]
+    z      = logits_grad(z)                   one Triton kernel: LSE, loss, and scale * dL/dz
                                               written over z, except the target column,
                                               whose value goes to a float32 coef_r
-    dW    += z.T @ h_c                        cuBLAS addmm into dW (input dtype): the matmul
+    dW    += z.T @ h_c                        addmm into dW (input dtype): the matmul
                                               reads dW in float32 compute, one rounding/chunk
     db    += z.sum(0)                         float32
     z[r, y_r] = coef_r                        the target column joins z for dH only
-    dH[rows] = z @ W                          cuBLAS, written in place when rows are contiguous
+    dH[rows] = z @ W                          matmul, written in place when rows are contiguous
 and once at the end ``dW[y] += sum coef_r h_r`` (target column, float32, one rounding).
+
+The kernels are called through ``cfg.launchers`` (:class:`~.launch.Launchers`): the CUDA
+kernels by default, the NPU's persistent-grid kernels for backend ``"ascend"``.
 
 No float32 copy of a chunk is made and nothing waits on the device inside the loop.
 
@@ -38,7 +41,7 @@ import torch
 from ...errors import single_backward
 from ..base import LossSpec
 from ..chunked import RowSource
-from .launch import launch_logits_grad, launch_target_dweight, row_offsets
+from .launch import CUDA_LAUNCHERS, Launchers, row_offsets
 
 
 @dataclass
@@ -52,6 +55,7 @@ class ChunkedConfig:
     rows: int  # counted rows per chunk
     eager: bool
     need: tuple[bool, bool, bool]
+    launchers: Launchers = CUDA_LAUNCHERS
 
 
 #: Keep cuBLAS's split-K reductions in float32 for 16-bit matmuls (torch lets them run in the
@@ -126,10 +130,10 @@ def _backprop_chunk(dz, h, idx, y, coef, weight, grads: _Grads, rows: slice | No
             grads.dh.index_copy_(0, idx, torch.mm(dz, weight))
 
 
-def _finish(grads: _Grads, hidden, valid_rows, y_valid, coef):
-    """Target part of dW/db for every counted row, then the gradients in the inputs' shapes."""
+def _finish(cfg: ChunkedConfig, grads: _Grads, hidden, valid_rows, y_valid, coef):
+    """Target part of dW/db for every counted row."""
     if grads.dw is not None or grads.db is not None:
-        launch_target_dweight(
+        cfg.launchers.target_dweight(
             grads.dw, grads.db, y_valid, coef, hidden, row_offsets(hidden, valid_rows)
         )
 
@@ -156,13 +160,13 @@ def _eager_pass(cfg: ChunkedConfig, hidden, weight, bias, valid_rows, y_valid, n
     grads = _new_grads(hidden, weight, bias, need)
     for start, stop, idx, h, y, rows in _chunks(cfg, hidden, valid_rows, y_valid):
         z = _logits(h, weight, bias)
-        launch_logits_grad(
+        cfg.launchers.logits_grad(
             z, y, lse_v[start:stop], nll_v[start:stop], loss_v[start:stop],
             coef_v[start:stop], cfg.scale, cfg.spec, compute_lse=True, write_grad=True,
         )
         _backprop_chunk(z, h, idx, y, coef_v[start:stop], weight, grads, rows)
         del z, h
-    _finish(grads, hidden, valid_rows, y_valid, coef_v)
+    _finish(cfg, grads, hidden, valid_rows, y_valid, coef_v)
     return loss_v, lse_v, nll_v, grads
 
 
@@ -174,7 +178,7 @@ def _stats_pass(cfg: ChunkedConfig, hidden, weight, bias, valid_rows, y_valid):
     nll_v = torch.empty(m, dtype=torch.float32, device=dev)
     for start, stop, _, h, y, _ in _chunks(cfg, hidden, valid_rows, y_valid):
         z = _logits(h, weight, bias)
-        launch_logits_grad(
+        cfg.launchers.logits_grad(
             z, y, lse_v[start:stop], nll_v[start:stop], loss_v[start:stop], None, 1.0,
             cfg.spec, compute_lse=True, write_grad=False,
         )
@@ -190,13 +194,13 @@ def _recompute_pass(cfg: ChunkedConfig, hidden, weight, bias, valid_rows, y_vali
     for start, stop, idx, h, y, rows in _chunks(cfg, hidden, valid_rows, y_valid):
         z = _logits(h, weight, bias)
         s = scale.index_select(0, idx) if scale.dim() == 1 else scale
-        launch_logits_grad(
+        cfg.launchers.logits_grad(
             z, y, lse_v[start:stop], nll_v[start:stop], None, coef_v[start:stop], s,
             cfg.spec, compute_lse=False, write_grad=True,
         )
         _backprop_chunk(z, h, idx, y, coef_v[start:stop], weight, grads, rows)
         del z, h
-    _finish(grads, hidden, valid_rows, y_valid, coef_v)
+    _finish(cfg, grads, hidden, valid_rows, y_valid, coef_v)
     return grads
 
 

@@ -1,4 +1,10 @@
-"""Launch configuration and small host-side helpers shared by the two Triton drivers.
+"""Launch settings, host-side helpers and the launchers of backend ``"triton"``.
+
+The two drivers (:mod:`.chunked_path`, :mod:`.zero_logits`) call their kernels only through a
+*launcher* object (:class:`Launchers`): :data:`CUDA_LAUNCHERS` (this module, the default) runs
+the kernels of :mod:`.kernels` with the block sizes below; backend ``"ascend"`` passes its own
+(``ascend/launch.py``), which runs its persistent-grid kernels with blocks sized for the NPU.
+Everything else in the drivers (matmuls, chunking, accumulators, roundings) is shared.
 
 Block sizes are chosen per device: a CUDA GPU gets sizes checked on an H200 (BENCHMARKS.md,
 "## GPU"); CPU tensors, which only the Triton interpreter (``TRITON_INTERPRET=1``, used by CI)
@@ -8,12 +14,16 @@ runs, get small legal sizes and no software pipelining, since it runs every prog
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
+from ..base import LossSpec
 from .kernels import (
+    dhidden_dweight_backward_kernel,
     dhidden_rows_store_kernel,
     logits_grad_inplace_kernel,
+    lse_forward_kernel,
     target_dweight_kernel,
 )
 
@@ -115,113 +125,241 @@ def row_align(hidden: torch.Tensor) -> int:
     return align if hidden.stride(-1) == 1 else 1
 
 
-def launch_logits_grad(z, labels, lse, nll, loss, coef, scale, spec, *, compute_lse,
-                       write_grad):
-    """Run :func:`logits_grad_inplace_kernel` over the ``[r, V]`` chunk ``z``.
-
-    ``lse`` and ``nll`` (``LSE - z_y``, kept unrounded by LSE for the target column's
-    gradient) are written when ``compute_lse``, read otherwise.
-    """
-    r, vocab = z.shape
-    if r == 0:
-        return
-    cfg = row_kernel_config(vocab, z.device)
-    mode, scale_t, scale_v = scale_args(scale if write_grad else 1.0, z.device)
-    dummy = lse
-    logits_grad_inplace_kernel[(r,)](
-        z,
-        z.stride(0),
-        labels,
-        lse,
-        nll,
-        loss if loss is not None else dummy,
-        coef if coef is not None else dummy,
-        scale_t,
-        scale_v,
-        vocab,
-        float(spec.softcap or 1.0),
-        float(spec.label_smoothing),
-        float(spec.z_loss),
-        HAS_SOFTCAP=spec.softcap is not None,
-        SMOOTHING=spec.label_smoothing != 0.0,
-        Z_LOSS=spec.z_loss != 0.0,
-        SCALE_MODE=mode,
-        COMPUTE_LSE=compute_lse,
-        WRITE_GRAD=write_grad,
-        BLOCK_V=cfg.block_v,
-        FIX_RNE=z.device.type == "cpu",
-        NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps,
-    )
-
-
-def launch_dhidden_rows(dh, out_rows, *, part=None, coef=None, labels=None, weight=None,
-                        accumulate=False):
-    """``dH[out_rows] (+)= part + coef * W[labels]`` (:func:`dhidden_rows_store_kernel`)."""
-    r = out_rows.shape[0]
-    hsize = dh.shape[1]
-    if r == 0:
-        return
-    block_h = min(1024 if dh.device.type == "cuda" else 256, _pow2(hsize))
-    dummy = out_rows
-    w = weight if weight is not None else dh
-    dhidden_rows_store_kernel[(r, triton_cdiv(hsize, block_h))](
-        dh,
-        dh.stride(0),
-        part if part is not None else dh,
-        part.stride(0) if part is not None else 0,
-        out_rows,
-        coef if coef is not None else dummy,
-        labels if labels is not None else dummy,
-        w,
-        w.stride(0),
-        w.stride(1),
-        hsize,
-        HAS_PART=part is not None,
-        ADD_TARGET=coef is not None,
-        ACCUMULATE=accumulate,
-        BLOCK_H=block_h,
-        FIX_RNE=dh.device.type == "cpu",
-        num_warps=4,
-    )
-
-
-def launch_target_dweight(dw, db, labels, coef, hidden, row_off, *, v_lo=0, v_hi=None,
-                          sorted_labels=None):
-    """Add the target column's share of dW and db (float32 ``[V]``) for counted rows whose
-    label is in ``[v_lo, v_hi)`` (:func:`target_dweight_kernel`); ``dw`` holds the rows
-    ``[v_lo, v_hi)``. ``labels``, ``coef`` and ``row_off`` are ``[M]``; ``sorted_labels`` is
-    ``torch.sort(labels, stable=True)`` if already known."""
-    m = labels.shape[0]
-    if m == 0 or (dw is None and db is None):
-        return
-    if sorted_labels is None:
-        sorted_labels = torch.sort(labels, stable=True)
-    sorted_labels, order = sorted_labels
-    hsize = hidden.shape[-1]
-    block_h = min(1024 if hidden.device.type == "cuda" else 256, _pow2(hsize))
-    n_hblocks = triton_cdiv(hsize, block_h) if dw is not None else 1
-    target_dweight_kernel[(m, n_hblocks)](
-        dw if dw is not None else coef,
-        dw.stride(0) if dw is not None else 0,
-        db if db is not None else coef,
-        sorted_labels,
-        order,
-        coef,
-        hidden,
-        row_off,
-        hidden.stride(-1),
-        m,
-        hsize,
-        v_lo,
-        v_hi if v_hi is not None else 2**62,
-        NEED_W=dw is not None,
-        NEED_B=db is not None,
-        BLOCK_H=block_h,
-        FIX_RNE=hidden.device.type == "cpu",
-        num_warps=4,
-    )
-
-
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class Launchers(Protocol):
+    """The kernels the two drivers need, each launched over whole tensors.
+
+    Every tensor argument is on the device of ``hidden``; "counted rows" are the rows whose
+    label is not ignored (``M`` of them), float32 unless stated. Methods never synchronise
+    with the device unless their docstring says so.
+    """
+
+    def logits_grad(self, z, labels, lse, nll, loss, coef, scale, spec: LossSpec, *,
+                    compute_lse: bool, write_grad: bool) -> None:  # fmt: skip
+        """Chunked path, per ``[r, V]`` logits chunk ``z`` (input dtype, bias included).
+
+        ``compute_lse``: write ``lse``, ``nll`` (``LSE - z_y`` without rounding LSE first)
+        and ``loss`` (``[r]``); otherwise read ``lse`` and ``nll``. ``write_grad``: overwrite
+        ``z`` with ``scale * dL/dz`` (0 in each row's target column) and write the target
+        column's value to ``coef`` ``[r]``, with ``p_y = exp(-nll)``. ``scale``: a float, a
+        0-d or an ``[r]`` float32 tensor; ``loss``/``coef`` may be None when not written.
+        """
+
+    def dhidden_rows(self, dh, out_rows, *, part=None, coef=None, labels=None, weight=None,
+                     accumulate: bool = False) -> None:  # fmt: skip
+        """``dH[out_rows] (+)= part + coef * W[labels]`` in float32, rounded once into ``dh``
+        ``[N, H]``; ``part`` ``[r, H]`` any float dtype; ``coef``, ``labels`` ``[r]``."""
+
+    def sort_by_label(self, labels) -> Any:
+        """Counted rows grouped by label, as :meth:`target_dweight` takes them (computed once
+        per backward, reused for each vocabulary group)."""
+
+    def target_dweight(self, dw, db, labels, coef, hidden, row_off, *, v_lo: int = 0,
+                       v_hi: int | None = None, by_label=None) -> None:  # fmt: skip
+        """``dW[y - v_lo] += sum_{r: y_r = y} coef_r * h_r`` and ``db[y] += sum coef_r`` for
+        the labels ``y`` in ``[v_lo, v_hi)`` (all when ``v_hi`` is None), one rounding per
+        row of ``dw`` (the rows ``[v_lo, v_hi)`` of dW, any float dtype, or None); ``db``
+        float32 ``[V]`` or None; ``labels``, ``coef``, ``row_off`` ``[M]``; ``by_label``
+        from :meth:`sort_by_label` (computed here when None)."""
+
+    def lse_forward_partials(self, hidden, row_off, weight, bias, labels,
+                             spec: LossSpec) -> torch.Tensor:  # fmt: skip
+        """Zero-logits forward: ``[4, splits, M]`` partial statistics of the ``M >= 1``
+        counted rows at ``row_off`` over splits of the vocabulary: running max, sum of exp
+        relative to it, the (softcapped) target logit where it lies in the split else 0, the
+        sum of (softcapped) logits."""
+
+    def backward_block_m(self, weight) -> int:
+        """Rows per tile of :meth:`dhidden_dweight_backward` (row groups are multiples)."""
+
+    def dhidden_dweight_backward(self, hidden, row_off, weight, bias, labels, lse, scale,
+                                 dh_acc, dw_acc, db, v_start: int, n_cols: int,
+                                 spec: LossSpec) -> None:  # fmt: skip
+        """Zero-logits backward for the ``r = len(labels)`` counted rows at ``row_off``
+        against the vocabulary columns ``[v_start, v_start + n_cols)``: recompute the logits,
+        add the products of ``scale * dL/dz`` without the target column into ``dh_acc``
+        (``[>= r, H]``), ``dw_acc`` (``[n_cols, H]``) and ``db`` (``[V]``), each float32 or
+        None. ``scale``: a 0-d or an ``[r]`` float32 tensor."""
+
+
+class CudaLaunchers:
+    """:class:`Launchers` with the kernels of :mod:`.kernels`: CUDA/ROCm tensors, or CPU
+    tensors under the interpreter. Stateless; settings come from the functions above."""
+
+    def logits_grad(self, z, labels, lse, nll, loss, coef, scale, spec, *, compute_lse,
+                    write_grad):  # fmt: skip
+        r, vocab = z.shape
+        if r == 0:
+            return
+        cfg = row_kernel_config(vocab, z.device)
+        mode, scale_t, scale_v = scale_args(scale if write_grad else 1.0, z.device)
+        dummy = lse
+        logits_grad_inplace_kernel[(r,)](
+            z,
+            z.stride(0),
+            labels,
+            lse,
+            nll,
+            loss if loss is not None else dummy,
+            coef if coef is not None else dummy,
+            scale_t,
+            scale_v,
+            vocab,
+            float(spec.softcap or 1.0),
+            float(spec.label_smoothing),
+            float(spec.z_loss),
+            HAS_SOFTCAP=spec.softcap is not None,
+            SMOOTHING=spec.label_smoothing != 0.0,
+            Z_LOSS=spec.z_loss != 0.0,
+            SCALE_MODE=mode,
+            COMPUTE_LSE=compute_lse,
+            WRITE_GRAD=write_grad,
+            BLOCK_V=cfg.block_v,
+            FIX_RNE=z.device.type == "cpu",
+            NUM_STAGES=cfg.num_stages,
+            num_warps=cfg.num_warps,
+        )
+
+    def dhidden_rows(self, dh, out_rows, *, part=None, coef=None, labels=None, weight=None,
+                     accumulate=False):  # fmt: skip
+        r = out_rows.shape[0]
+        hsize = dh.shape[1]
+        if r == 0:
+            return
+        block_h = min(1024 if dh.device.type == "cuda" else 256, _pow2(hsize))
+        dummy = out_rows
+        w = weight if weight is not None else dh
+        dhidden_rows_store_kernel[(r, triton_cdiv(hsize, block_h))](
+            dh,
+            dh.stride(0),
+            part if part is not None else dh,
+            part.stride(0) if part is not None else 0,
+            out_rows,
+            coef if coef is not None else dummy,
+            labels if labels is not None else dummy,
+            w,
+            w.stride(0),
+            w.stride(1),
+            hsize,
+            HAS_PART=part is not None,
+            ADD_TARGET=coef is not None,
+            ACCUMULATE=accumulate,
+            BLOCK_H=block_h,
+            FIX_RNE=dh.device.type == "cpu",
+            num_warps=4,
+        )
+
+    def sort_by_label(self, labels):
+        """``torch.sort(labels, stable=True)``: sorted labels and each one's row index."""
+        return torch.sort(labels, stable=True)
+
+    def target_dweight(self, dw, db, labels, coef, hidden, row_off, *, v_lo=0, v_hi=None,
+                       by_label=None):  # fmt: skip
+        m = labels.shape[0]
+        if m == 0 or (dw is None and db is None):
+            return
+        if by_label is None:
+            by_label = self.sort_by_label(labels)
+        sorted_labels, order = by_label
+        hsize = hidden.shape[-1]
+        block_h = min(1024 if hidden.device.type == "cuda" else 256, _pow2(hsize))
+        n_hblocks = triton_cdiv(hsize, block_h) if dw is not None else 1
+        target_dweight_kernel[(m, n_hblocks)](
+            dw if dw is not None else coef,
+            dw.stride(0) if dw is not None else 0,
+            db if db is not None else coef,
+            sorted_labels,
+            order,
+            coef,
+            hidden,
+            row_off,
+            hidden.stride(-1),
+            m,
+            hsize,
+            v_lo,
+            v_hi if v_hi is not None else 2**62,
+            NEED_W=dw is not None,
+            NEED_B=db is not None,
+            BLOCK_H=block_h,
+            FIX_RNE=hidden.device.type == "cpu",
+            num_warps=4,
+        )
+
+    def lse_forward_partials(self, hidden, row_off, weight, bias, labels, spec):
+        m = labels.shape[0]
+        vocab, hsize = weight.shape
+        dev = hidden.device
+        cfg = forward_tile_config(weight.dtype, dev)
+        row_blocks = triton_cdiv(m, cfg.block_m)
+        splits = max(1, min(triton_cdiv(vocab, cfg.block_n),
+                            triton_cdiv(2 * num_sms(dev), row_blocks)))  # fmt: skip
+        per_split = triton_cdiv(triton_cdiv(vocab, splits), cfg.block_n) * cfg.block_n
+        splits = triton_cdiv(vocab, per_split)
+        part = torch.empty(4, splits, m, dtype=torch.float32, device=dev)
+        lse_forward_kernel[(row_blocks, splits)](
+            hidden, row_off, hidden.stride(-1),
+            weight, weight.stride(0), weight.stride(1),
+            bias if bias is not None else weight,
+            labels, part, m, vocab, hsize, per_split,
+            float(spec.softcap or 1.0),
+            HAS_BIAS=bias is not None,
+            HAS_SOFTCAP=spec.softcap is not None,
+            SMOOTHING=spec.label_smoothing != 0.0,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            EVEN_K=hsize % cfg.block_k == 0,
+            DOT_PRECISION=dot_precision(weight.dtype),
+            UPCAST=dev.type == "cpu",
+            ROW_ALIGN=row_align(hidden),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return part
+
+    def backward_block_m(self, weight):
+        return backward_tile_config(weight.dtype, weight.device).block_m
+
+    def dhidden_dweight_backward(self, hidden, row_off, weight, bias, labels, lse, scale,
+                                 dh_acc, dw_acc, db, v_start, n_cols, spec):  # fmt: skip
+        r = labels.shape[0]
+        vocab, hsize = weight.shape
+        dev = hidden.device
+        tc = backward_tile_config(weight.dtype, dev)
+        mode, scale_t, scale_v = scale_args(scale, dev)
+        dummy = lse  # float32, like the accumulators it stands in for
+        dhidden_dweight_backward_kernel[
+            (triton_cdiv(r, tc.block_m), triton_cdiv(n_cols, tc.block_n))
+        ](
+            hidden, row_off, hidden.stride(-1),
+            weight, weight.stride(0), weight.stride(1),
+            bias if bias is not None else weight,
+            labels, lse, scale_t, scale_v,
+            dh_acc if dh_acc is not None else dummy,
+            dw_acc if dw_acc is not None else dummy,
+            db if db is not None else dummy,
+            r, v_start, n_cols, vocab, hsize,
+            float(spec.softcap or 1.0),
+            float(spec.label_smoothing),
+            float(spec.z_loss),
+            HAS_BIAS=bias is not None,
+            HAS_SOFTCAP=spec.softcap is not None,
+            SMOOTHING=spec.label_smoothing != 0.0,
+            Z_LOSS=spec.z_loss != 0.0,
+            SCALE_MODE=mode,
+            NEED_H=dh_acc is not None,
+            NEED_W=dw_acc is not None,
+            NEED_B=db is not None,
+            BLOCK_M=tc.block_m, BLOCK_N=tc.block_n, BLOCK_K=tc.block_k,
+            BLOCK_H=tc.block_h,
+            EVEN_K=hsize % tc.block_k == 0,
+            DOT_PRECISION=dot_precision(weight.dtype),
+            UPCAST=dev.type == "cpu",
+            FIX_RNE=dev.type == "cpu",
+            ROW_ALIGN=row_align(hidden),
+            num_warps=tc.num_warps, num_stages=tc.num_stages,
+        )  # fmt: skip
+
+
+#: The default launchers of both drivers.
+CUDA_LAUNCHERS = CudaLaunchers()

@@ -1,4 +1,7 @@
-"""Zero-logits path of backend ``"triton"`` (``logits_budget=0``): no logits in device memory.
+"""Zero-logits path of backends ``"triton"`` and ``"ascend"`` (``logits_budget=0``): no logits
+in device memory. The kernels are called through ``cfg.launchers``
+(:class:`~.launch.Launchers`): the CUDA kernels named below by default, the NPU's
+persistent-grid variants for backend ``"ascend"``.
 
 Forward (:func:`~.kernels.lse_forward_kernel`): each program multiplies a block of counted
 rows with the weight rows of one split of the vocabulary, tile by tile in registers, and keeps
@@ -42,19 +45,7 @@ import torch
 from ...errors import single_backward
 from ..base import LossSpec
 from ..chunked import finish_loss
-from .kernels import dhidden_dweight_backward_kernel, lse_forward_kernel
-from .launch import (
-    backward_tile_config,
-    dot_precision,
-    forward_tile_config,
-    launch_dhidden_rows,
-    launch_target_dweight,
-    num_sms,
-    row_align,
-    row_offsets,
-    scale_args,
-    triton_cdiv,
-)
+from .launch import CUDA_LAUNCHERS, Launchers, row_offsets, triton_cdiv
 
 #: float32 accumulator of dH for one group of rows (bytes).
 DH_GROUP_BYTES = 4 * 2**20
@@ -68,9 +59,11 @@ class ZeroLogitsConfig:
     reduction: str  # "none" | "sum"
     scale: float | torch.Tensor
     n_valid: int
+    launchers: Launchers = CUDA_LAUNCHERS
 
 
-def lse_forward(hidden, row_off, weight, bias, labels, spec: LossSpec):
+def lse_forward(hidden, row_off, weight, bias, labels, spec: LossSpec,
+                launchers: Launchers = CUDA_LAUNCHERS):  # fmt: skip
     """Per counted row: ``(loss, lse, z_target, nll)`` (float32 ``[M]``), logits never stored;
     ``nll = LSE - z_target`` computed without rounding LSE first.
 
@@ -78,35 +71,14 @@ def lse_forward(hidden, row_off, weight, bias, labels, spec: LossSpec):
         hidden: ``[..., H]`` hidden states (any strides); rows are read at ``row_off``.
         row_off: ``[M]`` int64 element offsets of the counted rows in ``hidden``.
         weight: ``[V, H]``; bias: ``[V]`` or None; labels: ``[M]`` int64 targets in [0, V).
+        launchers: whose ``lse_forward_partials`` kernel to run.
     """
     m = labels.shape[0]
-    vocab, hsize = weight.shape
-    dev = hidden.device
+    vocab = weight.shape[0]
     if m == 0:
-        empty = torch.empty(0, dtype=torch.float32, device=dev)
+        empty = torch.empty(0, dtype=torch.float32, device=hidden.device)
         return empty, empty, empty, empty
-    cfg = forward_tile_config(weight.dtype, dev)
-    row_blocks = triton_cdiv(m, cfg.block_m)
-    splits = max(1, min(triton_cdiv(vocab, cfg.block_n), triton_cdiv(2 * num_sms(dev), row_blocks)))
-    per_split = triton_cdiv(triton_cdiv(vocab, splits), cfg.block_n) * cfg.block_n
-    splits = triton_cdiv(vocab, per_split)
-    part = torch.empty(4, splits, m, dtype=torch.float32, device=dev)
-    lse_forward_kernel[(row_blocks, splits)](
-        hidden, row_off, hidden.stride(-1),
-        weight, weight.stride(0), weight.stride(1),
-        bias if bias is not None else weight,
-        labels, part, m, vocab, hsize, per_split,
-        float(spec.softcap or 1.0),
-        HAS_BIAS=bias is not None,
-        HAS_SOFTCAP=spec.softcap is not None,
-        SMOOTHING=spec.label_smoothing != 0.0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=hsize % cfg.block_k == 0,
-        DOT_PRECISION=dot_precision(weight.dtype),
-        UPCAST=dev.type == "cpu",
-        ROW_ALIGN=row_align(hidden),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    part = launchers.lse_forward_partials(hidden, row_off, weight, bias, labels, spec)
     run_max, run_sum, z_t, z_s = part.unbind(0)
     top = run_max.amax(0)
     log_s = (run_sum * torch.exp(run_max - top)).sum(0).log()
@@ -166,7 +138,8 @@ class TritonZeroLogitsLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, valid_rows, cfg: ZeroLogitsConfig):
         y_valid = labels.index_select(0, valid_rows)
         row_off = row_offsets(hidden, valid_rows)
-        loss, lse, z_t, nll = lse_forward(hidden, row_off, weight, bias, y_valid, cfg.spec)
+        loss, lse, z_t, nll = lse_forward(hidden, row_off, weight, bias, y_valid, cfg.spec,
+                                          cfg.launchers)  # fmt: skip
         ctx.cfg = cfg
         ctx.save_for_backward(hidden, weight, bias, valid_rows, y_valid, row_off, lse, z_t, nll)
         if cfg.reduction == "none":
@@ -178,7 +151,7 @@ class TritonZeroLogitsLinearCrossEntropy(torch.autograd.Function):
     @single_backward
     def backward(ctx, grad_out):
         cfg: ZeroLogitsConfig = ctx.cfg
-        spec = cfg.spec
+        spec, launchers = cfg.spec, cfg.launchers
         hidden, weight, bias, valid_rows, y_valid, row_off, lse, z_t, nll = ctx.saved_tensors
         need_h = ctx.needs_input_grad[0]
         need_w = ctx.needs_input_grad[1]
@@ -200,15 +173,11 @@ class TritonZeroLogitsLinearCrossEntropy(torch.autograd.Function):
             scale = grad_out.reshape(-1).to(torch.float32).index_select(0, valid_rows)
         else:
             scale = grad_out.to(torch.float32) * cfg.scale
-        mode, scale_t, scale_v = scale_args(scale, dev)
 
-        tc = backward_tile_config(weight.dtype, dev)
-        group_rows = max(tc.block_m, DH_GROUP_BYTES // (4 * hsize) // tc.block_m * tc.block_m)
-        group_rows = min(group_rows, triton_cdiv(max(m, 1), tc.block_m) * tc.block_m)
+        block_m = launchers.backward_block_m(weight)
+        group_rows = max(block_m, DH_GROUP_BYTES // (4 * hsize) // block_m * block_m)
+        group_rows = min(group_rows, triton_cdiv(max(m, 1), block_m) * block_m)
         dh_acc = torch.empty(group_rows, hsize, dtype=torch.float32, device=dev) if need_h else None
-        dummy = torch.empty(1, dtype=torch.float32, device=dev)
-        precision = dot_precision(weight.dtype)
-        align = row_align(hidden)
 
         # The target column, in float32: coef_r = scale_r * dL/dz_{r, y_r}; it joins the
         # float32 accumulators before their (last) rounding.
@@ -220,7 +189,7 @@ class TritonZeroLogitsLinearCrossEntropy(torch.autograd.Function):
         if spec.softcap is not None:
             coef = coef * (1.0 - (z_t / spec.softcap) ** 2)
         coef = (coef * row_scale).contiguous()
-        by_label = torch.sort(y_valid, stable=True) if (need_w or need_b) else None
+        by_label = launchers.sort_by_label(y_valid) if (need_w or need_b) else None
 
         groups = _vocab_groups(dw, vocab, hsize, dev)
         for gi, (v_start, n_cols, acc, dst, in_place) in enumerate(groups):
@@ -231,50 +200,22 @@ class TritonZeroLogitsLinearCrossEntropy(torch.autograd.Function):
                 r = min(group_rows, m - g0)
                 if need_h:
                     dh_acc[:r].zero_()
-                dhidden_dweight_backward_kernel[
-                    (triton_cdiv(r, tc.block_m), triton_cdiv(n_cols, tc.block_n))
-                ](
-                    hidden, row_off[g0:], hidden.stride(-1),
-                    weight, weight.stride(0), weight.stride(1),
-                    bias if bias is not None else weight,
-                    y_valid[g0:],
-                    lse[g0:],
-                    scale_t[g0:] if mode == 2 else scale_t,
-                    scale_v,
-                    dh_acc if need_h else dummy,
-                    acc if acc is not None else dummy,
-                    db if need_b else dummy,
-                    r, v_start, n_cols, vocab, hsize,
-                    float(spec.softcap or 1.0),
-                    float(spec.label_smoothing),
-                    float(spec.z_loss),
-                    HAS_BIAS=bias is not None,
-                    HAS_SOFTCAP=spec.softcap is not None,
-                    SMOOTHING=spec.label_smoothing != 0.0,
-                    Z_LOSS=spec.z_loss != 0.0,
-                    SCALE_MODE=mode,
-                    NEED_H=need_h,
-                    NEED_W=acc is not None,
-                    NEED_B=need_b,
-                    BLOCK_M=tc.block_m, BLOCK_N=tc.block_n, BLOCK_K=tc.block_k,
-                    BLOCK_H=tc.block_h,
-                    EVEN_K=hsize % tc.block_k == 0,
-                    DOT_PRECISION=precision,
-                    UPCAST=dev.type == "cpu",
-                    FIX_RNE=dev.type == "cpu",
-                    ROW_ALIGN=align,
-                    num_warps=tc.num_warps, num_stages=tc.num_stages,
-                )
+                rows = slice(g0, g0 + r)
+                launchers.dhidden_dweight_backward(
+                    hidden, row_off[rows], weight, bias, y_valid[rows], lse[rows],
+                    scale[rows] if scale.dim() == 1 else scale,
+                    dh_acc if need_h else None, acc, db if need_b else None,
+                    v_start, n_cols, spec,
+                )  # fmt: skip
                 if need_h:
-                    rows = slice(g0, g0 + r)
-                    launch_dhidden_rows(
+                    launchers.dhidden_rows(
                         dh, valid_rows[rows], part=dh_acc[:r], accumulate=True,
                         coef=coef[rows] if last else None, labels=y_valid[rows], weight=weight,
                     )
             if acc is not None or need_b:
-                launch_target_dweight(
+                launchers.target_dweight(
                     acc, db, y_valid, coef, hidden, row_off, v_lo=v_start,
-                    v_hi=v_start + n_cols, sorted_labels=by_label,
+                    v_hi=v_start + n_cols, by_label=by_label,
                 )
             if dst is not None:
                 _round_into(dst, acc, in_place)
