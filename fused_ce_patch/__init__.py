@@ -11,6 +11,7 @@ from importlib import import_module
 
 from .errors import BackendUnavailableError, LogitsNotMaterializedError, UnsupportedModelError
 from .loss import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
+from .token_stats import TokenStats, fused_linear_token_stats
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,8 @@ _LAZY = {
 __all__ = [
     "fused_linear_cross_entropy",
     "FusedLinearCrossEntropyLoss",
+    "fused_linear_token_stats",
+    "TokenStats",
     "BackendUnavailableError",
     "LogitsNotMaterializedError",
     "UnsupportedModelError",

@@ -1,0 +1,159 @@
+"""Per-token outputs of the fused head: :func:`fused_linear_token_stats` (DESIGN.md §6).
+
+What trainers beyond plain SFT consume (TRL's DPO, KTO, GRPO, RLOO and its fused LM head): the
+log-probability of each label, and on request the entropy of each row's distribution and
+whether the label is the argmax, all without the ``[tokens, vocab]`` logits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from . import backends
+from .backends.token_stats import Transform, token_stats_chunked, token_stats_reference
+from .loss import _autocast, _check_labels, _check_tensors, _shift
+
+
+class TokenStats(NamedTuple):
+    """Per-token results, each with the labels' shape; 0 (False) at ignored positions.
+
+    Attributes:
+        log_probs: float32 (float64 for float64 inputs) ``log p(label)`` = minus the
+            per-token cross-entropy.
+        entropy: same dtype, ``-sum_v p_v log p_v``, or None when not requested.
+        is_top1: bool, label is the (first) argmax of the logits, or None when not requested.
+        mask: bool, the position was counted (label != ignore_index).
+    """
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    is_top1: torch.Tensor | None
+    mask: torch.Tensor
+
+
+def fused_linear_token_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift: bool = False,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    accuracy: bool = False,
+    logits_budget: int | None = None,
+    backend: str = "auto",
+) -> TokenStats:
+    """Per-token log-probabilities (and optionally entropy and top-1 hits) of
+    ``hidden @ weight.T (+ bias)`` without storing the ``[N, V]`` logits.
+
+    With logits ``x = h W^T + b``, the distribution of each position is ``softmax(z)`` over::
+
+        z = c * tanh(s * x / c) / t        (softcap c; without it z = s * x / t)
+
+    where ``s`` is ``logit_scale`` (a model's logit multiplier) and ``t`` the sampling
+    ``temperature`` (TRL divides by it after the softcap). Per counted position (label ``y``
+    != ``ignore_index``)::
+
+        log_probs = z_y - LSE(z)              (= -loss with reduction "none")
+        entropy   = LSE(z) - sum_v p_v z_v
+        is_top1   = argmax_v z_v == y         (first maximum, like torch.argmax)
+
+    Gradients flow to ``hidden``, ``weight`` and ``bias`` from ``log_probs`` with any
+    per-position upstream gradient (GRPO / DPO weights), and from ``entropy`` (entropy
+    bonuses) when it was requested; ``is_top1`` has none. Ignored positions get 0 / False and
+    no gradient. Accumulation is float32 (float64 for float64 inputs).
+
+    Args:
+        hidden: ``[..., H]`` float16, bfloat16, float32 or float64.
+        weight: ``[V, H]`` lm_head weight, same dtype and device (under ``torch.autocast``
+            both are cast as ``lm_head(hidden)`` would be).
+        labels: ``[...]`` = ``hidden.shape[:-1]`` integer labels in ``[0, V)`` or
+            ``ignore_index``.
+        bias: ``[V]`` or None.
+        ignore_index: label of positions that are not scored.
+        shift: causal shift (position t scores ``labels[..., t + 1]``; the last position of
+            each sequence is ignored).
+        softcap: ``c > 0`` or None. logit_scale: ``s`` (finite, != 0). temperature: ``t > 0``.
+        entropy: also return the entropy (differentiable).
+        accuracy: also return ``is_top1``.
+        logits_budget: bytes of transient logits a chunk may hold (None: 256 MiB); the peak
+            extra memory follows it, not ``N * V``.
+        backend: any name ``fused_linear_cross_entropy`` accepts. ``"reference"``
+            materialises the logits in float32 (float64) and uses autograd — the oracle.
+            Every other name (after the same availability check as the loss, so a
+            backend that cannot run here raises the same error) runs the chunked torch
+            algorithm of :mod:`fused_ce_patch.backends.token_stats`, whose matmuls use the
+            device's BLAS (cuBLAS, CANN, CPU).
+
+    Returns:
+        :class:`TokenStats` ``(log_probs, entropy, is_top1, mask)``, each ``labels``-shaped.
+
+    Raises:
+        ValueError: label out of range (names it and V), shape mismatch (names both), unknown
+            backend, bad ``softcap`` / ``logit_scale`` / ``temperature`` / ``logits_budget``.
+        TypeError: dtype mismatch outside autocast, non-integer labels.
+        BackendUnavailableError: the requested backend cannot run here.
+
+    Source: the blockwise log-sum-exp of Wijmans et al., "Cut Your Losses in Large-Vocabulary
+    Language Models" (2024); field names and the temperature convention of TRL's fused LM
+    head (``trl.trainer.utils.add_fused_lm_head``, trl 1.16).
+    """
+    _check_options(softcap, logit_scale, temperature, logits_budget, backend)
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    _check_tensors(hidden, weight, labels, bias)
+    if labels.dtype != torch.int64:
+        labels = labels.long()
+    if shift:
+        labels = _shift(labels, ignore_index)
+    flat = labels.reshape(-1)
+    valid_rows, n_valid = _check_labels(flat, weight.shape[0], ignore_index)
+    backends.resolve(backend, hidden.device, hidden.dtype)  # same availability errors as the loss
+    transform = Transform(float(logit_scale), None if softcap is None else float(softcap),
+                          float(temperature))
+
+    h = hidden.reshape(-1, hidden.shape[-1])
+    all_rows = n_valid == flat.shape[0]
+    if not all_rows:
+        h = h.index_select(0, valid_rows)
+    y = flat if all_rows else flat.index_select(0, valid_rows)
+    with torch.autocast(hidden.device.type, enabled=False):
+        if backend == "reference":
+            lp, ent, top1 = token_stats_reference(h, weight, bias, y, transform, entropy,
+                                                  accuracy)
+        else:
+            lp, ent, top1 = token_stats_chunked(h, weight, bias, y, transform, entropy,
+                                                accuracy, logits_budget)
+    mask = flat != ignore_index
+
+    def scatter(x):
+        if x is None:
+            return None
+        if not all_rows:
+            # index_put keeps the result connected to autograd even with zero counted rows
+            x = x.new_zeros(flat.shape).index_put((valid_rows,), x)
+        return x.view(labels.shape)
+
+    return TokenStats(scatter(lp), scatter(ent), scatter(top1), mask.view(labels.shape))
+
+
+def _check_options(softcap, logit_scale, temperature, budget, backend):
+    if backend not in backends.backend_names():
+        raise ValueError(
+            f"unknown backend {backend!r}; valid: {', '.join(backends.backend_names())}"
+        )
+    if softcap is not None and not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
+    if not (math.isfinite(logit_scale) and logit_scale != 0):
+        raise ValueError(f"logit_scale must be a finite non-zero number, got {logit_scale}")
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               or budget < 0):
+        raise ValueError(f"logits_budget must be None or an int >= 0 (bytes), got {budget!r}")
