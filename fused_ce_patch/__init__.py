@@ -26,6 +26,7 @@ _LAZY = {
     "AutoFusedCEForCausalLM": "fused_ce_patch.hf.auto",
     "FusedCETrainingArguments": "fused_ce_patch.hf.trainer",
     "FusedCECallback": "fused_ce_patch.hf.trainer",
+    "fused_ce_config": "fused_ce_patch.hf.trainer",
 }
 
 __all__ = [

@@ -51,3 +51,8 @@ def single_backward(backward):
             return backward(ctx, *grads)
 
     return wrapper
+
+
+class FusedCEFlagError(RuntimeError):
+    """``use_fused_ce=True`` reached a Trainer that cannot act on it (raised at construction,
+    so the flag is never a silent no-op)."""

@@ -292,17 +292,27 @@ def apply_fused_ce(
         # The stock forward bound to this instance (accelerate's dispatch hook, or what an
         # unpickled patched model holds): replace it, and give it back on revert.
         installed = MethodType(patched, target)
+    elif _is_trl_head(previous):
+        # TRL's own fused head (trl >= 1.6) stays in place; hf/trl.py routes its kernel calls
+        # for this instance to fused_ce_patch.
+        installed = previous
     else:
         installed = None if hooked else _rewrap_accelerate_amp(previous, patched, target)
         if installed is None:
+            name, lib = _describe_forward(previous)
             raise UnsupportedModelError(
-                f"{type(target).__name__}.forward was replaced on this instance by "
-                f"{previous!r}; apply fused_ce_patch before other forward patches"
+                f"{type(target).__name__}.forward was replaced on this instance by {lib}'s "
+                f"{name}. Call apply_fused_ce(model) before {lib} patches the model, or turn "
+                f"{lib}'s forward patch off (Liger: fused_linear_cross_entropy=False)."
             )
     target.__dict__[slot] = installed
     target.__dict__[STATE_ATTR] = _InstanceState(options, slot, previous, installed)
     _PATCHED_INSTANCES.add(target)
     loss_mapping.register()
+    if "trl" in sys.modules:
+        from . import trl as trl_routing
+
+        trl_routing.install()
     return model
 
 
@@ -333,6 +343,8 @@ def revert_fused_ce(model=None):
         _revert_instance(unwrap_causal_lm(model))
     if not _PATCHED_INSTANCES and not _PATCHED_CLASSES:
         loss_mapping.unregister()
+    if not _PATCHED_INSTANCES and "fused_ce_patch.hf.trl" in sys.modules:
+        sys.modules["fused_ce_patch.hf.trl"].release()
     return model
 
 
@@ -362,6 +374,24 @@ def _revert_class(cls):
     class_slot(stock).options = None
     cls.forward = stock
     _PATCHED_CLASSES.discard(cls)
+
+
+def _describe_forward(fn) -> tuple[str, str]:
+    """``(qualified name, top-level package)`` of a forward, without the model's repr."""
+    func = getattr(fn, "__func__", fn)
+    for f in _chain(func):
+        module = getattr(f, "__module__", None) or ""
+        if module and not module.startswith(("functools", "fused_ce_patch")):
+            return getattr(f, "__qualname__", type(f).__name__), module.split(".")[0]
+    return getattr(func, "__qualname__", type(func).__name__), "another library"
+
+
+def _is_trl_head(fn) -> bool:
+    if "trl" not in sys.modules:
+        return False
+    from .trl import is_trl_head_forward
+
+    return is_trl_head_forward(fn)
 
 
 def is_fused_ce_applied(model) -> bool:

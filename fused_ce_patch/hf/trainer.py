@@ -1,85 +1,91 @@
 """Trainer integration: a ``use_fused_ce`` flag and the callback that acts on it.
 
-Usage with transformers' Trainer::
+Usage with transformers' Trainer (runs on CPU as written)::
 
-    from fused_ce_patch import FusedCECallback, FusedCETrainingArguments
+    from fused_ce_patch import FusedCETrainingArguments
 
-    args = FusedCETrainingArguments(output_dir="out", use_fused_ce=True, bf16=True)
-    trainer = Trainer(model=model, args=args, train_dataset=ds,
-                      callbacks=[FusedCECallback()])
+    args = FusedCETrainingArguments(output_dir="out", use_fused_ce=True, use_cpu=True)
+    trainer = Trainer(model=model, args=args, train_dataset=ds)
     trainer.train()
 
-The flag alone does nothing: Trainer builds its callbacks from its ``callbacks`` argument, so
-the callback must be passed. The callback patches the model in ``on_init_end`` — the end of
-``Trainer.__init__``, before ``Trainer.train`` runs ``accelerator.prepare``, whose native
-mixed-precision wrapper binds ``model.forward`` at prepare time (accelerate 1.x
-``Accelerator.prepare_model``); patching later would lose autocast. Token counting stays exact:
-``Trainer.__init__`` has already decided how to count ``num_items_in_batch`` by then, and the
-replacement ``LOSS_MAPPING`` entry keeps that decision right anyway (see
-:mod:`fused_ce_patch.hf.loss_mapping`). Calling ``apply_fused_ce(model)`` before building the
-Trainer is equivalent.
+The flag is enough: Trainer builds its callbacks from its ``callbacks`` argument, so the
+arguments object adds :class:`FusedCECallback` itself. ``Trainer.__init__`` reads
+``args.should_save`` right after building its callback handler (transformers 5.17 and 5.24,
+``Trainer.__init__``); the flag-carrying arguments override that property and, when the reader
+is a Trainer without our callback, add one. If a future Trainer stops reading it there, the
+next read of ``args.train_batch_size`` by a Trainer without the callback raises
+:class:`FusedCEFlagError` at construction, never a silent unpatched run.
+``callbacks=[FusedCECallback()]`` keeps working (and is the way with arguments that do not
+carry the flag). For TRL, :func:`fused_ce_config` adds the flag to any config class
+(``FusedCESFTConfig = fused_ce_config(trl.SFTConfig)``).
+
+The callback patches the model in ``on_init_end`` — the end of ``Trainer.__init__``, before
+``Trainer.train`` runs ``accelerate.prepare``, whose native mixed-precision wrapper binds
+``model.forward`` at prepare time (accelerate 1.x ``Accelerator.prepare_model``). Token
+counting stays exact: ``Trainer.__init__`` has already decided how to count
+``num_items_in_batch`` by then. Calling ``apply_fused_ce(model)`` before building the Trainer
+is equivalent. Evaluation with ``prediction_loss_only`` (no ``compute_metrics``) computes the
+loss on the fused path without logits, through the ``skip_logits=True`` keyword that Trainer
+passes for Liger (``Trainer.prediction_step``); whenever predictions or metrics need logits they
+are real.
 
 With ``model_init`` (a fresh model per ``train()``), Trainer re-creates the model after
 ``on_init_end`` and never shows callbacks the new one: patch inside ``model_init`` instead
 (``return apply_fused_ce(make_model())`` or ``AutoFusedCEForCausalLM.from_pretrained``).
 
-TRL's ``SFTTrainer`` (``SFTConfig`` subclasses ``TrainingArguments``):
+TRL: see :mod:`fused_ce_patch.hf.trl`. Every TRL generation computes with fused_ce_patch once
+the model is patched (flag, callback or ``apply_fused_ce``): trl >= 1.15's fused LM head and
+trl 1.6-1.14's ``chunked_nll`` forward call our kernel for patched models, with TRL's own loss
+and metrics; with ``loss_type="nll"`` (the default up to trl 1.6) the callback turns TRL's
+logits-based metrics into ones computed from our per-token outputs.
 
-- Patch through the callback, ``SFTTrainer(..., callbacks=[FusedCECallback()])`` (arguments
-  without a ``use_fused_ce`` field count as enabled), or call ``apply_fused_ce(model)`` before
-  building the trainer (after it, the instance forward is TRL's and is refused). A PEFT model
-  made by ``SFTTrainer(peft_config=...)`` already exists at ``on_init_end``.
-- ``SFTConfig`` turns ``bf16`` on by default; the callback patches before accelerate prepares
-  the model, so the fused loss runs under that autocast.
-- TRL 1.16 (run here with transformers 5.17): ``SFTTrainer.__init__`` wraps the forward it finds
-  (ours, when patched by then) with its own chunked LM head (``trl.trainer.utils.
-  add_fused_lm_head``) and its ``compute_loss`` trains through
-  ``model(..., fused_lm_head=True)``, so TRL's head, not fused_ce_patch, computes the training
-  loss (no full logits either way); calls without ``fused_lm_head`` reach the patched forward.
-- TRL up to 1.10 (``sft_trainer.py`` source): ``compute_loss`` with the default
-  ``loss_type="nll"`` and ``use_liger_kernel=False`` computes the logged ``entropy`` and
-  ``mean_token_accuracy`` from ``outputs.logits`` on every step, which on the fused path raises
-  :class:`~fused_ce_patch.errors.LogitsNotMaterializedError`
-  (``FusedCECallback(return_logits=True)`` avoids it at the usual memory cost).
-- To have fused_ce_patch compute the training loss with either version, route training steps
-  through transformers' own ``compute_loss`` (TRL's two training metrics are then not logged;
-  evaluation keeps TRL's, with real logits). Checked on TRL 1.16: same losses as TRL's own
-  head within 1e-5 in float32::
-
-      class FusedSFTTrainer(SFTTrainer):
-          def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-              if not model.training:
-                  return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-              inputs["use_cache"] = False
-              return Trainer.compute_loss(self, model, inputs, return_outputs,
-                                          num_items_in_batch)
-
-- Do not combine with Liger's fused linear cross-entropy (``use_liger_kernel=True`` with its
-  default config): it replaces the same forward at ``train()`` time.
+Do not combine with Liger's fused linear cross-entropy (``use_liger_kernel=True`` with its
+default config): it replaces the same forward at ``train()`` time.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass, field
+import sys
+import weakref
+from dataclasses import dataclass, field, make_dataclass
 
-from transformers import TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from .patch import make_options, apply_fused_ce, is_fused_ce_applied
+from ..errors import FusedCEFlagError
+from .patch import apply_fused_ce, is_fused_ce_applied, make_options, unwrap_causal_lm
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class FusedCETrainingArguments(TrainingArguments):
-    """``TrainingArguments`` plus the fused-loss flag and its options.
+def _calling_trainer(depth: int = 4):
+    """The Trainer whose method is reading an argument (a few frames up), or None."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer):
+            return owner
+        frame = frame.f_back
+    return None
 
-    Read by :class:`FusedCECallback` (which must be passed to the Trainer); every other field
-    is ``TrainingArguments``' own, and ``HfArgumentParser`` picks the new ones up
-    (``--use_fused_ce``, ``--fused_ce_backend``, ...).
+
+def _has_callback(trainer) -> bool:
+    handler = getattr(trainer, "callback_handler", None)
+    return handler is not None and any(
+        isinstance(cb, FusedCECallback) for cb in handler.callbacks
+    )
+
+
+@dataclass
+class FusedCEArgumentsMixin:
+    """The fused-loss flag and its options, for any ``TrainingArguments`` subclass.
 
     Attributes:
-        use_fused_ce: patch the model with :func:`~fused_ce_patch.apply_fused_ce`.
+        use_fused_ce: patch the model with :func:`~fused_ce_patch.apply_fused_ce`; the
+            arguments add :class:`FusedCECallback` to the Trainer that reads them.
         fused_ce_backend: backend of the fused loss (``"auto"``, ``"torch"``, ``"triton"``,
             ``"ascend"``, ``"reference"``).
         fused_ce_logits_budget: bytes of transient logits per chunk; None = backend default.
@@ -89,8 +95,7 @@ class FusedCETrainingArguments(TrainingArguments):
     use_fused_ce: bool = field(
         default=False,
         metadata={"help": "Compute the causal-LM training loss with fused_ce_patch's fused "
-                          "linear-cross-entropy (no [tokens, vocab] logits). Needs "
-                          "callbacks=[FusedCECallback()]."},
+                          "linear-cross-entropy (no [tokens, vocab] logits)."},
     )
     fused_ce_backend: str = field(
         default="auto",
@@ -109,7 +114,59 @@ class FusedCETrainingArguments(TrainingArguments):
         super().__post_init__()
         # Fail at argument parsing, not later inside Trainer.__init__.
         make_options(self.fused_ce_backend, self.fused_ce_logits_budget,
-                      self.fused_ce_return_logits)
+                     self.fused_ce_return_logits)
+
+    # Trainer.__init__ reads `should_save` just after building its callback handler: the one
+    # moment the arguments can see the Trainer and add the callback the flag needs.
+    @property
+    def should_save(self):
+        if self.use_fused_ce:
+            trainer = _calling_trainer()
+            if trainer is not None and getattr(trainer, "callback_handler", None) is not None \
+                    and not _has_callback(trainer):
+                trainer.add_callback(FusedCECallback())
+        return super().should_save
+
+    @property
+    def train_batch_size(self):
+        if self.use_fused_ce:
+            trainer = _calling_trainer()
+            if trainer is not None and getattr(trainer, "callback_handler", None) is not None \
+                    and not _has_callback(trainer):
+                raise FusedCEFlagError(
+                    "use_fused_ce=True but this Trainer has no FusedCECallback (this "
+                    "transformers version did not let the arguments add it); pass "
+                    "callbacks=[FusedCECallback()] to the Trainer"
+                )
+        return super().train_batch_size
+
+
+@dataclass
+class FusedCETrainingArguments(FusedCEArgumentsMixin, TrainingArguments):
+    """``TrainingArguments`` plus the fused-loss flag and its options (see
+    :class:`FusedCEArgumentsMixin`); ``HfArgumentParser`` picks the new fields up
+    (``--use_fused_ce``, ``--fused_ce_backend``, ...)."""
+
+
+@functools.lru_cache(maxsize=None)
+def fused_ce_config(config_cls: type) -> type:
+    """``config_cls`` (a ``TrainingArguments`` subclass such as TRL's ``SFTConfig``,
+    ``DPOConfig``, ``GRPOConfig``) plus the ``use_fused_ce`` flag and options.
+
+    ``FusedCESFTConfig = fused_ce_config(trl.SFTConfig)``; ``FusedCESFTConfig(...,
+    use_fused_ce=True)`` then needs no callback. One class per ``config_cls`` (cached).
+
+    Raises:
+        TypeError: ``config_cls`` is not a ``TrainingArguments`` subclass.
+    """
+    if not (isinstance(config_cls, type) and issubclass(config_cls, TrainingArguments)):
+        raise TypeError(f"fused_ce_config needs a TrainingArguments subclass, got {config_cls!r}")
+    if issubclass(config_cls, FusedCEArgumentsMixin):
+        return config_cls
+    cls = make_dataclass(f"FusedCE{config_cls.__name__}", [],
+                         bases=(FusedCEArgumentsMixin, config_cls))
+    cls.__module__ = __name__
+    return cls
 
 
 class FusedCECallback(TrainerCallback):
@@ -123,7 +180,9 @@ class FusedCECallback(TrainerCallback):
         return_logits: overrides ``args.fused_ce_return_logits``.
 
     ``on_train_begin`` checks again and patches (with a warning) if the model was unpatched
-    in between; accelerate's prepared forward is then rebuilt around the patch.
+    in between; accelerate's prepared forward is then rebuilt around the patch. The Trainer
+    that runs the callback gets a per-instance ``prediction_step`` that passes
+    ``skip_logits=True`` when only the loss is needed (evaluation without logits).
     """
 
     def __init__(self, *, enabled=None, backend=None, logits_budget=None, return_logits=None):
@@ -150,6 +209,9 @@ class FusedCECallback(TrainerCallback):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         if model is not None and self._is_enabled(args):
             apply_fused_ce(model, **self._options(args))
+            trainer = _calling_trainer(depth=6)
+            if trainer is not None:
+                _install_prediction_step(trainer)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is not None and self._is_enabled(args) and not is_fused_ce_applied(model):
@@ -157,3 +219,40 @@ class FusedCECallback(TrainerCallback):
                 "fused_ce_patch: the model was not patched at train begin; patching it now"
             )
             apply_fused_ce(model, **self._options(args))
+
+
+def _takes_skip_logits(model) -> bool:
+    """Whether ``model``'s forward with labels reaches our patched forward (which pops
+    ``skip_logits``) rather than a forward that would reject the keyword."""
+    from .forward import STATE_ATTR
+    from .patch import _is_trl_head
+
+    target = unwrap_causal_lm(model)
+    state = target.__dict__.get(STATE_ATTR)
+    return state is not None and not _is_trl_head(state.installed) \
+        and not state.options.return_logits
+
+
+def _install_prediction_step(trainer) -> None:
+    """Per-instance ``prediction_step`` that asks for the loss only when that is all it needs.
+
+    Trainer's own ``prediction_step`` passes ``skip_logits=True`` only for Liger; TRL >= 1.15
+    overrides ``prediction_step`` with its fused head (routed to us), so it is left alone.
+    """
+    if "prediction_step" in trainer.__dict__ or type(trainer).prediction_step is not \
+            Trainer.prediction_step:
+        return
+    original = trainer.prediction_step
+    trainer_ref = weakref.ref(trainer)
+
+    @functools.wraps(original)
+    def prediction_step(model, inputs, prediction_loss_only, ignore_keys=None):
+        owner = trainer_ref()
+        if (prediction_loss_only and owner is not None and not owner.args.use_liger_kernel
+                and "skip_logits" not in inputs and owner.label_smoother is None
+                and owner.compute_loss_func is None and _takes_skip_logits(model)
+                and ("labels" in inputs or "shift_labels" in inputs)):
+            inputs = {**inputs, "skip_logits": True}
+        return original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    trainer.prediction_step = prediction_step

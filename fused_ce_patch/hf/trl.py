@@ -1,0 +1,204 @@
+"""TRL's own fused heads compute with fused_ce_patch's kernel for models patched by us.
+
+TRL installs its own chunked LM head on the model instance, replacing the forward we patch:
+
+- trl >= 1.15: ``trl.trainer.utils.add_fused_lm_head`` (SFT, DPO, KTO, GRPO, RLOO); its forward,
+  called with ``fused_lm_head=True``, runs the backbone, masks the labels and calls the
+  module-level ``trl.trainer.utils._ChunkedLogProbFunction.apply(hidden, weight, bias, targets,
+  temperature, chunk_size, softcap, logit_scale, outputs)`` for per-token ``log_probs``,
+  ``entropy``, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``.
+- trl 1.6-1.14 (``loss_type="chunked_nll"``, the default from 1.7): ``SFTTrainer`` patches the
+  forward (``_patch_chunked_ce_lm_head``) to call the module-level
+  ``trl.trainer.sft_trainer._chunked_cross_entropy_loss(hidden_states, weight, chunk_size, labels,
+  shift_labels, num_items_in_batch, logit_scale, final_logit_softcapping, lm_head_bias)`` for
+  ``(loss, num_correct, entropy_sum, num_valid)``.
+
+Everything around those calls (backbone, masking, loss reduction, MoE aux loss, metrics) stays
+TRL's. While some model is patched by :func:`~fused_ce_patch.apply_fused_ce`, each of those two
+module attributes is replaced by a router that computes with
+:func:`~fused_ce_patch.fused_linear_token_stats` when the ``weight`` it receives is the lm_head
+weight of a patched instance, and calls TRL's own function, unchanged, for every other model — so
+a model that was never patched sees TRL's exact behaviour. The originals come back when the last
+patched instance is reverted. A request for a field we do not produce (``log_sum_sq_probs``,
+``mean_logits``) goes to TRL's kernel for that call, with one log message. Class-level patches
+(``apply_fused_ce_to_<arch>``) are not routed: they have no instance to recognise the weight by.
+
+Source: trl 1.16.0 ``trainer/utils.py`` and ``kernels/chunked_logprob.py``; trl 1.10.0 and
+1.6.0 ``trainer/sft_trainer.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from ..token_stats import fused_linear_token_stats
+
+logger = logging.getLogger(__name__)
+
+#: Per-token fields of TRL's fused head that fused_linear_token_stats produces.
+SUPPORTED_FIELDS = frozenset({"log_probs", "entropy", "is_top1"})
+
+_ORIGINALS: dict = {}  # (module name, attribute) -> TRL's object
+_said: set = set()
+
+
+def _once(key, msg, *args):
+    if key not in _said:
+        _said.add(key)
+        logger.warning(msg, *args)
+
+
+def _options_for(weight):
+    """The patch options of the patched instance whose lm_head weight is ``weight``, else None."""
+    from . import patch
+    from .forward import STATE_ATTR
+
+    for model in list(patch._PATCHED_INSTANCES):
+        state = model.__dict__.get(STATE_ATTR)
+        if state is None or state.options.return_logits:
+            continue
+        try:
+            head = model.get_output_embeddings()
+        except Exception:  # noqa: BLE001 - a model without a head is simply not ours
+            continue
+        if head is not None and getattr(head, "weight", None) is weight:
+            return state.options
+    if patch._PATCHED_CLASSES:
+        _once("class", "fused_ce_patch: a class-level patch does not reach TRL's fused LM head; "
+              "use apply_fused_ce(model) (or the Trainer flag) to have TRL compute with "
+              "fused_ce_patch")
+    return None
+
+
+def _match_dtypes(hidden, weight, bias):
+    # TRL's kernels compute in hidden's dtype when autocast is off (cast_lm_head_to_fp32=True)
+    if torch.is_autocast_enabled(hidden.device.type) or weight.dtype == hidden.dtype:
+        return weight, bias
+    return weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
+
+
+class _RoutedChunkedLogProb:
+    """Stands in for ``trl.trainer.utils._ChunkedLogProbFunction`` (only ``.apply`` is used)."""
+
+    def __init__(self, original):
+        self.original = original
+
+    def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
+              final_logit_softcapping=None, logit_scale=1.0, outputs=None):
+        options = _options_for(weight)
+        args = (hidden, weight, bias, targets, temperature, chunk_size,
+                final_logit_softcapping, logit_scale)
+        if outputs is None:  # TRL's default asks for every field
+            outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+        if options is None:
+            return self.original.apply(*args, outputs)
+        missing = set(outputs) - SUPPORTED_FIELDS
+        if missing:
+            _once(("fields", tuple(sorted(missing))),
+                  "fused_ce_patch: TRL's fused head asked for %s, which fused_ce_patch does not "
+                  "compute; TRL's own kernel runs those calls", ", ".join(sorted(missing)))
+            return self.original.apply(*args, outputs)
+        w, b = _match_dtypes(hidden, weight, bias)
+        stats = fused_linear_token_stats(
+            hidden, w, targets, bias=b, softcap=final_logit_softcapping,
+            logit_scale=float(logit_scale), temperature=float(temperature),
+            entropy="entropy" in outputs, accuracy="is_top1" in outputs,
+            logits_budget=options.logits_budget, backend=options.backend,
+        )
+        return stats.log_probs.float(), _f32(stats.entropy), None, None, stats.is_top1
+
+
+def _f32(x):
+    return None if x is None else x.float()
+
+
+def _make_routed_chunked_ce(original):
+    """Stands in for trl 1.6-1.14 ``sft_trainer._chunked_cross_entropy_loss``."""
+
+    def routed(hidden_states, lm_head_weight, chunk_size, labels=None, shift_labels=None,
+               num_items_in_batch=None, logit_scale=1.0, final_logit_softcapping=None,
+               lm_head_bias=None):
+        options = _options_for(lm_head_weight)
+        if options is None:
+            return original(hidden_states, lm_head_weight, chunk_size, labels=labels,
+                            shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
+                            logit_scale=logit_scale,
+                            final_logit_softcapping=final_logit_softcapping,
+                            lm_head_bias=lm_head_bias)
+        if labels is None and shift_labels is None:
+            raise ValueError("At least one of `labels` or `shift_labels` must be provided.")
+        if shift_labels is not None:
+            target, shift = shift_labels, False
+        else:
+            target, shift = labels, True
+        w, b = _match_dtypes(hidden_states, lm_head_weight, lm_head_bias)
+        stats = fused_linear_token_stats(
+            hidden_states, w, target.to(hidden_states.device), bias=b, shift=shift,
+            softcap=final_logit_softcapping, logit_scale=float(logit_scale),
+            entropy=True, accuracy=True,
+            logits_budget=options.logits_budget, backend=options.backend,
+        )
+        n_valid = stats.mask.sum()
+        total = -stats.log_probs.sum()
+        if num_items_in_batch is None:
+            loss = total / n_valid.clamp(min=1)
+        else:
+            if isinstance(num_items_in_batch, torch.Tensor):
+                num_items_in_batch = num_items_in_batch.to(total.device)
+            loss = total / num_items_in_batch
+        correct = stats.is_top1.sum().float()
+        entropy_sum = stats.entropy.detach().sum().float()
+        return loss.float(), correct, entropy_sum, n_valid
+
+    routed.__wrapped__ = original
+    return routed
+
+
+_TARGETS = (
+    ("trl.trainer.utils", "_ChunkedLogProbFunction", _RoutedChunkedLogProb),
+    ("trl.trainer.sft_trainer", "_chunked_cross_entropy_loss", _make_routed_chunked_ce),
+)
+
+
+def install() -> None:
+    """Put the routers in place in every TRL module already imported (idempotent)."""
+    for module_name, attr, make in _TARGETS:
+        module = sys.modules.get(module_name)
+        if module is None or (module_name, attr) in _ORIGINALS:
+            continue
+        original = getattr(module, attr, None)
+        if original is None:
+            continue
+        _ORIGINALS[(module_name, attr)] = original
+        setattr(module, attr, make(original))
+
+
+def release() -> None:
+    """Give TRL its exact objects back (called when no patched instance is left)."""
+    for (module_name, attr), original in list(_ORIGINALS.items()):
+        module = sys.modules.get(module_name)
+        if module is not None:
+            setattr(module, attr, original)
+        del _ORIGINALS[(module_name, attr)]
+
+
+def is_installed() -> bool:
+    return bool(_ORIGINALS)
+
+
+def is_trl_head_forward(fn) -> bool:
+    """Whether ``fn`` (an instance's ``forward``) is a fused head TRL installed.
+
+    Recognised by function name and module: ``add_fused_lm_head``'s ``_fused_forward`` (trl >=
+    1.15) and ``_patch_chunked_ce_lm_head``'s ``_chunked_ce_forward`` (trl 1.6-1.14).
+    """
+    func = getattr(fn, "__func__", None)
+    if func is None or not getattr(func, "__module__", "").startswith("trl."):
+        return False
+    return func.__qualname__ in (
+        "add_fused_lm_head.<locals>._fused_forward",
+        "_patch_chunked_ce_lm_head.<locals>._chunked_ce_forward",
+    )

@@ -1,0 +1,130 @@
+"""The use_fused_ce flag alone (no callback), config classes carrying it, loss-only evaluation,
+and short errors that name another library's forward wrapper."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+from fused_ce_patch import (
+    FusedCECallback,
+    FusedCETrainingArguments,
+    UnsupportedModelError,
+    apply_fused_ce,
+    fused_ce_config,
+    revert_fused_ce,
+)
+from fused_ce_patch.errors import FusedCEFlagError
+from fused_ce_patch.hf.patch import is_fused_ce_applied
+from hf_helpers import LOSS_RTOL, assert_close_rel, build_model, reference_copy
+from test_trainer import logged_losses, make_dataset
+
+
+def _args(cls, tmp_path, **extra):
+    return cls(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2,
+               learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+               max_grad_norm=0.0, logging_steps=1, report_to=[], use_cpu=True,
+               save_strategy="no", seed=0, dataloader_num_workers=0, **extra)
+
+
+def _callbacks(trainer):
+    return [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, FusedCECallback)]
+
+
+def test_flag_alone_patches_and_matches_stock(tmp_path, spy):
+    model = build_model("llama")
+    ref = reference_copy(model)
+    t_ref = Trainer(model=ref, args=_args(TrainingArguments, tmp_path / "r"),
+                    train_dataset=make_dataset())
+    t_ref.train()
+    t = Trainer(model=model, args=_args(FusedCETrainingArguments, tmp_path / "f",
+                                        use_fused_ce=True),
+                train_dataset=make_dataset())
+    assert is_fused_ce_applied(model) and len(_callbacks(t)) == 1
+    t.train()
+    assert spy.count == 2
+    assert_close_rel(logged_losses(t), logged_losses(t_ref), LOSS_RTOL, "losses")
+    revert_fused_ce(model)
+    assert not is_fused_ce_applied(model) and "forward" not in model.__dict__
+
+
+def test_flag_off_and_explicit_callback_not_doubled(tmp_path):
+    model = build_model("llama")
+    Trainer(model=model, args=_args(FusedCETrainingArguments, tmp_path))
+    assert not is_fused_ce_applied(model)
+    t = Trainer(model=model, args=_args(FusedCETrainingArguments, tmp_path, use_fused_ce=True),
+                callbacks=[FusedCECallback()])
+    assert is_fused_ce_applied(model) and len(_callbacks(t)) == 1
+
+
+def test_fused_ce_config_adds_flag_to_any_arguments_class(tmp_path):
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class MyConfig(TrainingArguments):  # stands in for TRL's SFTConfig
+        extra: int = field(default=3)
+
+    cfg_cls = fused_ce_config(MyConfig)
+    assert fused_ce_config(MyConfig) is cfg_cls and issubclass(cfg_cls, MyConfig)
+    model = build_model("qwen2")
+    Trainer(model=model, args=_args(cfg_cls, tmp_path, use_fused_ce=True, extra=4))
+    assert is_fused_ce_applied(model)
+    with pytest.raises(TypeError):
+        fused_ce_config(int)
+
+
+def test_flag_never_silent_without_callback(tmp_path):
+    class Peek(Trainer):
+        def peek(self):
+            return self.args.train_batch_size
+
+    t = Peek(model=build_model("llama"), args=_args(TrainingArguments, tmp_path))
+    t.args = _args(FusedCETrainingArguments, tmp_path, use_fused_ce=True)
+    with pytest.raises(FusedCEFlagError, match="callbacks=\\[FusedCECallback\\(\\)\\]"):
+        t.peek()
+
+
+def test_eval_loss_only_skips_logits(tmp_path, spy):
+    model = build_model("llama")
+    ref = reference_copy(model)
+    ds = make_dataset()
+    want = Trainer(model=ref, args=_args(TrainingArguments, tmp_path / "r"),
+                   eval_dataset=ds).evaluate()
+    t = Trainer(model=model, args=_args(FusedCETrainingArguments, tmp_path / "f",
+                                        use_fused_ce=True), eval_dataset=ds)
+    got = t.evaluate()
+    assert spy.count > 0  # the fused path computed the eval loss (no logits)
+    assert abs(got["eval_loss"] - want["eval_loss"]) <= LOSS_RTOL * abs(want["eval_loss"])
+    calls = spy.count
+    # with compute_metrics the logits are real
+    seen = []
+
+    def metrics(p):
+        seen.append(p.predictions.shape)
+        return {}
+
+    t2 = Trainer(model=model, args=_args(FusedCETrainingArguments, tmp_path / "m",
+                                         use_fused_ce=True), eval_dataset=ds,
+                 compute_metrics=metrics)
+    got2 = t2.evaluate()
+    assert spy.count == calls and seen and seen[0][-1] == model.config.vocab_size
+    assert abs(got2["eval_loss"] - want["eval_loss"]) <= LOSS_RTOL * abs(want["eval_loss"])
+
+
+def test_error_names_other_library_briefly():
+    model = build_model("llama")
+
+    def lce_forward(self, *a, **k):  # what a peer's instance patch looks like
+        raise AssertionError
+
+    lce_forward.__module__ = "liger_kernel.transformers.model.llama"
+    model.forward = types.MethodType(lce_forward, model)
+    with pytest.raises(UnsupportedModelError) as info:
+        apply_fused_ce(model)
+    msg = str(info.value)
+    assert "liger_kernel" in msg and "lce_forward" in msg and len(msg) < 400
+    assert "LlamaDecoderLayer" not in msg  # no model dump
+    assert torch.is_tensor(model.lm_head.weight)
