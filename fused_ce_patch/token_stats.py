@@ -26,12 +26,16 @@ class TokenStats(NamedTuple):
         entropy: same dtype, ``-sum_v p_v log p_v``, or None when not requested.
         is_top1: bool, label is the (first) argmax of the logits, or None when not requested.
         mask: bool, the position was counted (label != ignore_index).
+        mean_logits: ``mean_v z_v`` (no gradient), or None when not requested.
+        log_sum_sq_probs: ``log sum_v p_v^2`` (no gradient), or None when not requested.
     """
 
     log_probs: torch.Tensor
     entropy: torch.Tensor | None
     is_top1: torch.Tensor | None
     mask: torch.Tensor
+    mean_logits: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
 
 
 def fused_linear_token_stats(
@@ -47,6 +51,8 @@ def fused_linear_token_stats(
     temperature: float = 1.0,
     entropy: bool = False,
     accuracy: bool = False,
+    mean_logits: bool = False,
+    log_sum_sq_probs: bool = False,
     logits_budget: int | None = None,
     backend: str = "auto",
 ) -> TokenStats:
@@ -83,6 +89,8 @@ def fused_linear_token_stats(
         softcap: ``c > 0`` or None. logit_scale: ``s`` (finite, != 0). temperature: ``t > 0``.
         entropy: also return the entropy (differentiable).
         accuracy: also return ``is_top1``.
+        mean_logits, log_sum_sq_probs: also return ``mean_v z_v`` / ``log sum_v p_v^2`` (the
+            fields TRL's DPO logs and its WPO weighting uses; no gradient).
         logits_budget: bytes of transient logits a chunk may hold (None: 256 MiB); the peak
             extra memory follows it, not ``N * V``.
         backend: any name ``fused_linear_cross_entropy`` accepts. ``"reference"``
@@ -93,7 +101,8 @@ def fused_linear_token_stats(
             device's BLAS (cuBLAS, CANN, CPU).
 
     Returns:
-        :class:`TokenStats` ``(log_probs, entropy, is_top1, mask)``, each ``labels``-shaped.
+        :class:`TokenStats` ``(log_probs, entropy, is_top1, mask, mean_logits,
+        log_sum_sq_probs)``, each ``labels``-shaped.
 
     Raises:
         ValueError: label out of range (names it and V), shape mismatch (names both), unknown
@@ -123,13 +132,15 @@ def fused_linear_token_stats(
     if not all_rows:
         h = h.index_select(0, valid_rows)
     y = flat if all_rows else flat.index_select(0, valid_rows)
+    extras = {name for name, on in (("entropy", entropy), ("is_top1", accuracy),
+                                    ("mean_logits", mean_logits),
+                                    ("log_sum_sq_probs", log_sum_sq_probs)) if on}
     with torch.autocast(hidden.device.type, enabled=False):
         if backend == "reference":
-            lp, ent, top1 = token_stats_reference(h, weight, bias, y, transform, entropy,
-                                                  accuracy)
+            out = token_stats_reference(h, weight, bias, y, transform, extras)
         else:
-            lp, ent, top1 = token_stats_chunked(h, weight, bias, y, transform, entropy,
-                                                accuracy, logits_budget)
+            out = token_stats_chunked(h, weight, bias, y, transform, extras, logits_budget)
+    lp, ent, top1, mean_z, log_sq = out
     mask = flat != ignore_index
 
     def scatter(x):
@@ -140,7 +151,8 @@ def fused_linear_token_stats(
             x = x.new_zeros(flat.shape).index_put((valid_rows,), x)
         return x.view(labels.shape)
 
-    return TokenStats(scatter(lp), scatter(ent), scatter(top1), mask.view(labels.shape))
+    return TokenStats(scatter(lp), scatter(ent), scatter(top1), mask.view(labels.shape),
+                      scatter(mean_z), scatter(log_sq))
 
 
 def _check_options(softcap, logit_scale, temperature, budget, backend):

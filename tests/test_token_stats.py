@@ -165,3 +165,19 @@ def test_bad_label_names_value_and_vocab():
     y[0] = 5
     with pytest.raises(ValueError, match="label 5.*V = 5"):
         fused_linear_token_stats(hid, w, y)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_mean_logits_and_log_sum_sq_probs(backend):
+    hid, w, b, y = _inputs(23, 6, 31, seed=11)
+    out = fused_linear_token_stats(hid, w, y, bias=b, softcap=4.0, temperature=0.9,
+                                   mean_logits=True, log_sum_sq_probs=True,
+                                   logits_budget=31 * 16 * 3, backend=backend)
+    z = 4.0 * torch.tanh((hid.double() @ w.double().t() + b.double()) / 4.0) / 0.9
+    mask = y != -100
+    torch.testing.assert_close(out.mean_logits, z.mean(-1) * mask, rtol=1e-10, atol=1e-10)
+    p = torch.softmax(z, -1)
+    torch.testing.assert_close(out.log_sum_sq_probs, torch.log((p * p).sum(-1)) * mask,
+                               rtol=1e-10, atol=1e-10)
+    assert not out.mean_logits.requires_grad and not out.log_sum_sq_probs.requires_grad
+    out.log_probs.sum().backward()  # the extra outputs do not disturb the backward

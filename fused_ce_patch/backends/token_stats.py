@@ -6,7 +6,8 @@ counted rows here. The algorithm runs in plain torch (matmuls plus element-wise 
 so it works on every device torch runs on (CPU, CUDA, NPU); the matmuls go to the device's
 BLAS.
 
-Per chunk of ``R`` rows (``R`` chosen so that about four float32 ``[R, V]`` temporaries fit in
+Optionally also ``mean_v z_v`` and ``log sum_v p_v^2`` (TRL's ``mean_logits`` and
+``log_sum_sq_probs``, without gradient). Per chunk of ``R`` rows (``R`` chosen so that about four float32 ``[R, V]`` temporaries fit in
 ``logits_budget``) the forward computes ``z = T(h W^T + b)``, with
 ``T(x) = c * tanh(s * x / c) / t`` (logit scale ``s``, softcap ``c``, temperature ``t``), then
 ``log p_y = z_y - LSE(z)``, ``H = LSE(z) - sum_v p_v z_v`` and ``argmax z == y``, keeping only
@@ -79,19 +80,24 @@ def _logits(h, weight, bias, acc, transform):
 
 
 class TokenStatsFunction(torch.autograd.Function):
-    """``(log_probs, entropy, is_top1)`` of ``M`` rows that all have a valid label.
+    """``(log_probs, entropy, is_top1, mean_logits, log_sum_sq_probs)`` of ``M`` rows that all
+    have a valid label; each optional output is None unless its name is in ``extras``.
 
-    ``entropy`` / ``is_top1`` are None unless asked for. ``is_top1`` and, without
-    ``entropy_grad``, ``entropy`` carry no gradient.
+    ``is_top1``, ``mean_logits`` (``mean_v z_v``) and ``log_sum_sq_probs``
+    (``log sum_v p_v^2``) carry no gradient.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, transform, want_entropy, want_top1, rows):
+    def forward(ctx, hidden, weight, bias, labels, transform, extras, rows):
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         m = hidden.shape[0]
-        log_probs = torch.empty(m, dtype=acc, device=hidden.device)
-        entropy = torch.empty(m, dtype=acc, device=hidden.device) if want_entropy else None
-        is_top1 = torch.empty(m, dtype=torch.bool, device=hidden.device) if want_top1 else None
+
+        def new(name, dtype=acc):
+            return torch.empty(m, dtype=dtype, device=hidden.device) if name in extras else None
+
+        log_probs = new("log_probs")
+        entropy, is_top1 = new("entropy"), new("is_top1", torch.bool)
+        mean_logits, log_sum_sq = new("mean_logits"), new("log_sum_sq_probs")
         lse_all = torch.empty(m, dtype=acc, device=hidden.device)
         for r0 in range(0, m, rows):
             r1 = min(r0 + rows, m)
@@ -101,27 +107,33 @@ class TokenStatsFunction(torch.autograd.Function):
             lse_all[r0:r1] = lse
             z_y = z.gather(1, y.unsqueeze(1)).squeeze(1)
             log_probs[r0:r1] = z_y - lse
-            if want_top1:
+            if is_top1 is not None:
                 # argmax takes the first maximum: a tie with an earlier token is not a hit
                 is_top1[r0:r1] = z.argmax(dim=-1) == y
-            if want_entropy:
+            if mean_logits is not None:
+                mean_logits[r0:r1] = z.mean(dim=-1)
+            if entropy is not None:
                 p = torch.exp(z - lse.unsqueeze(1))
                 entropy[r0:r1] = lse - (p * z).sum(dim=-1)
+                del p
+            if log_sum_sq is not None:
+                log_sum_sq[r0:r1] = torch.logsumexp(2.0 * (z - lse.unsqueeze(1)), dim=-1)
             del z
         ctx.transform = transform
         ctx.rows = rows
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, labels, lse_all, entropy)
-        if is_top1 is not None:
-            ctx.mark_non_differentiable(is_top1)
-        return log_probs, entropy, is_top1
+        ctx.mark_non_differentiable(
+            *(x for x in (is_top1, mean_logits, log_sum_sq) if x is not None)
+        )
+        return log_probs, entropy, is_top1, mean_logits, log_sum_sq
 
     @staticmethod
-    def backward(ctx, g_lp, g_ent, _g_top1):
+    def backward(ctx, g_lp, g_ent, *_non_differentiable):
         hidden, weight, bias, labels, lse_all, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if g_lp is None and g_ent is None:
-            return None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         acc = lse_all.dtype
         transform = ctx.transform
         m = hidden.shape[0]
@@ -161,19 +173,18 @@ class TokenStatsFunction(torch.autograd.Function):
             dh,
             None if dw is None else dw.to(weight.dtype),
             None if db is None else db.to(bias.dtype),
-            None, None, None, None, None,
+            None, None, None, None,
         )
 
 
-def token_stats_chunked(hidden, weight, bias, labels, transform, want_entropy, want_top1,
-                        logits_budget):
+def token_stats_chunked(hidden, weight, bias, labels, transform, extras, logits_budget):
     """Run :class:`TokenStatsFunction` on ``[M, H]`` rows with ``[M]`` valid labels."""
     rows = chunk_rows(hidden.shape[0], weight.shape[0], logits_budget)
-    return TokenStatsFunction.apply(hidden, weight, bias, labels, transform, want_entropy,
-                                    want_top1, rows)
+    return TokenStatsFunction.apply(hidden, weight, bias, labels, transform,
+                                    frozenset(extras) | {"log_probs"}, rows)
 
 
-def token_stats_reference(hidden, weight, bias, labels, transform, want_entropy, want_top1):
+def token_stats_reference(hidden, weight, bias, labels, transform, extras):
     """The oracle: whole ``[M, V]`` logits in float32 (float64 for float64), autograd backward."""
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     z = hidden.to(acc) @ weight.to(acc).t()
@@ -182,6 +193,9 @@ def token_stats_reference(hidden, weight, bias, labels, transform, want_entropy,
     z, _ = transform.apply(z)
     log_p = torch.log_softmax(z, dim=-1)
     log_probs = log_p.gather(1, labels.unsqueeze(1)).squeeze(1)
-    entropy = -(log_p.exp() * log_p).sum(dim=-1) if want_entropy else None
-    is_top1 = (z.argmax(dim=-1) == labels) if want_top1 else None
-    return log_probs, entropy, is_top1
+    entropy = -(log_p.exp() * log_p).sum(dim=-1) if "entropy" in extras else None
+    is_top1 = (z.argmax(dim=-1) == labels) if "is_top1" in extras else None
+    with torch.no_grad():
+        mean_logits = z.mean(dim=-1) if "mean_logits" in extras else None
+        log_sum_sq = torch.logsumexp(2.0 * log_p, dim=-1) if "log_sum_sq_probs" in extras else None
+    return log_probs, entropy, is_top1, mean_logits, log_sum_sq

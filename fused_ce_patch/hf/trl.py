@@ -19,8 +19,8 @@ module attributes is replaced by a router that computes with
 :func:`~fused_ce_patch.fused_linear_token_stats` when the ``weight`` it receives is the lm_head
 weight of a patched instance, and calls TRL's own function, unchanged, for every other model — so
 a model that was never patched sees TRL's exact behaviour. The originals come back when the last
-patched instance is reverted. A request for a field we do not produce (``log_sum_sq_probs``,
-``mean_logits``) goes to TRL's kernel for that call, with one log message. Class-level patches
+patched instance is reverted. All five fields of trl 1.16 are produced; a field a later TRL
+adds that we do not know goes to TRL's kernel for that call, with one log message. Class-level patches
 (``apply_fused_ce_to_<arch>``) are not routed: they have no instance to recognise the weight by.
 
 Source: trl 1.16.0 ``trainer/utils.py`` and ``kernels/chunked_logprob.py``; trl 1.10.0 and
@@ -39,7 +39,9 @@ from ..token_stats import fused_linear_token_stats
 logger = logging.getLogger(__name__)
 
 #: Per-token fields of TRL's fused head that fused_linear_token_stats produces.
-SUPPORTED_FIELDS = frozenset({"log_probs", "entropy", "is_top1"})
+SUPPORTED_FIELDS = frozenset(
+    {"log_probs", "entropy", "is_top1", "mean_logits", "log_sum_sq_probs"}
+)
 
 _ORIGINALS: dict = {}  # (module name, attribute) -> TRL's object
 _said: set = set()
@@ -106,9 +108,12 @@ class _RoutedChunkedLogProb:
             hidden, w, targets, bias=b, softcap=final_logit_softcapping,
             logit_scale=float(logit_scale), temperature=float(temperature),
             entropy="entropy" in outputs, accuracy="is_top1" in outputs,
+            mean_logits="mean_logits" in outputs,
+            log_sum_sq_probs="log_sum_sq_probs" in outputs,
             logits_budget=options.logits_budget, backend=options.backend,
         )
-        return stats.log_probs.float(), _f32(stats.entropy), None, None, stats.is_top1
+        return (stats.log_probs.float(), _f32(stats.entropy), _f32(stats.log_sum_sq_probs),
+                _f32(stats.mean_logits), stats.is_top1)
 
 
 def _f32(x):

@@ -1,4 +1,10 @@
-"""TRL SFTTrainer with the callback and the documented compute_loss recipe (needs ``trl``)."""
+"""TRL trainers compute with fused_ce_patch once the model is patched, with TRL's own loss and
+metrics (needs ``trl``; CI runs this file under several TRL releases, see .ci/trl_matrix.sh).
+
+Every comparison runs stock TRL and patched TRL from identical weights in float32, and checks
+(1) a spy saw our kernel run, (2) the logged losses agree within 1e-5, (3) the logged metrics
+(entropy, mean_token_accuracy, log-probs) agree within 1e-5.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +14,25 @@ import torch
 trl = pytest.importorskip("trl", reason="TRL is optional; install trl to run this test")
 datasets = pytest.importorskip("datasets")
 
-from transformers import PreTrainedTokenizerFast, Trainer  # noqa: E402
+from packaging.version import Version  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from fused_ce_patch import FusedCECallback  # noqa: E402
-from hf_helpers import LOSS_RTOL, VOCAB, assert_close_rel, build_model  # noqa: E402
+from fused_ce_patch import FusedCECallback, apply_fused_ce, fused_ce_config  # noqa: E402
+from fused_ce_patch.hf import trl as trl_routing  # noqa: E402
+from fused_ce_patch.hf.patch import is_fused_ce_applied  # noqa: E402
+from hf_helpers import VOCAB, Spy, build_model, reference_copy  # noqa: E402
+
+TRL = Version(trl.__version__)
+HAS_FUSED_HEAD = TRL >= Version("1.15")  # add_fused_lm_head in every trainer
+CHUNKED_DEFAULT = Version("1.7") <= TRL < Version("1.15")  # loss_type="chunked_nll" default
+TOL = 1e-5
+
+
+@pytest.fixture
+def token_spy(monkeypatch):
+    s = Spy(trl_routing.fused_linear_token_stats)
+    monkeypatch.setattr(trl_routing, "fused_linear_token_stats", s)
+    return s
 
 
 def _tokenizer():
@@ -24,34 +45,155 @@ def _tokenizer():
                                    unk_token="<unk>")
 
 
-class FusedSFTTrainer(trl.SFTTrainer):
-    """The recipe documented in fused_ce_patch.hf.trainer."""
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not model.training:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        inputs["use_cache"] = False
-        return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+def _common(tmp_path):
+    # TRL configs turn bf16 on by default; float32 keeps the comparison exact.
+    return dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
+                learning_rate=0.1, optim="sgd", bf16=False, report_to=[], use_cpu=True,
+                logging_steps=1, save_strategy="no", seed=0)
 
 
-def _run(trainer_cls, tmp_path, callbacks):
+def _history(trainer, keys):
+    rows = [h for h in trainer.state.log_history if "loss" in h or any(k in h for k in keys)]
+    return {k: torch.tensor([h[k] for h in rows if k in h], dtype=torch.float64)
+            for k in keys if any(k in h for h in rows)}
+
+
+def _assert_same_logs(got, want, keys):
+    for k in keys:
+        assert k in want, f"stock TRL {TRL} did not log {k!r}"
+        assert k in got, f"patched run did not log {k!r}"
+        assert got[k].shape == want[k].shape, k
+        torch.testing.assert_close(got[k], want[k], rtol=TOL, atol=TOL, msg=k)
+
+
+def _sft_rows():
     g = torch.Generator().manual_seed(0)
-    rows = [{"input_ids": torch.randint(3, VOCAB, (12,), generator=g).tolist()} for _ in range(4)]
-    # SFTConfig turns bf16 on by default; float32 keeps the comparison exact.
-    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
-                         learning_rate=0.1, optim="sgd", bf16=False, report_to=[], use_cpu=True,
-                         logging_steps=1, save_strategy="no")
-    trainer = trainer_cls(model=build_model("llama"), args=args,
-                          train_dataset=datasets.Dataset.from_list(rows),
-                          processing_class=_tokenizer(), callbacks=callbacks)
+    return [{"input_ids": torch.randint(3, VOCAB, (12,), generator=g).tolist()}
+            for _ in range(4)]
+
+
+def _sft(model, tmp_path, config_cls=None, callbacks=(), **extra):
+    config_cls = config_cls or trl.SFTConfig
+    args = config_cls(**_common(tmp_path), **extra)
+    trainer = trl.SFTTrainer(model=model, args=args,
+                             train_dataset=datasets.Dataset.from_list(_sft_rows()),
+                             processing_class=_tokenizer(), callbacks=list(callbacks))
     trainer.train()
-    return torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])
+    return trainer
 
 
-def test_sft_recipe_runs_fused_loss(tmp_path, spy):
-    want = _run(trl.SFTTrainer, tmp_path / "plain", [])
-    assert spy.count == 0
-    got = _run(FusedSFTTrainer, tmp_path / "fused", [FusedCECallback()])
-    assert spy.count == 2
-    assert want[1] != want[0]  # the first step changed the weights
-    assert_close_rel(got, want, LOSS_RTOL, "SFT losses")
+SFT_KEYS = ["loss", "entropy"] + ([] if CHUNKED_DEFAULT else ["mean_token_accuracy"])
+
+
+@pytest.mark.parametrize("route", ["flag", "callback", "apply_first"])
+def test_sft_trains_with_our_kernel_and_same_metrics(route, tmp_path, token_spy, spy):
+    init = build_model("llama")
+    want = _history(_sft(reference_copy(init), tmp_path / "stock"), SFT_KEYS)
+    assert token_spy.count == 0 and spy.count == 0
+    model = reference_copy(init)
+    if route == "flag":
+        trainer = _sft(model, tmp_path / "ours", fused_ce_config(trl.SFTConfig),
+                       use_fused_ce=True)
+    elif route == "callback":
+        trainer = _sft(model, tmp_path / "ours", callbacks=[FusedCECallback()])
+    else:
+        trainer = _sft(apply_fused_ce(model), tmp_path / "ours")
+    assert is_fused_ce_applied(trainer.model)
+    assert token_spy.count + spy.count >= 2  # our kernel computed every training step
+    _assert_same_logs(_history(trainer, SFT_KEYS), want, SFT_KEYS)
+
+
+def test_revert_gives_trl_its_objects_back(tmp_path):
+    model = build_model("llama")
+    _sft(model, tmp_path, callbacks=[FusedCECallback()])
+    if HAS_FUSED_HEAD or CHUNKED_DEFAULT:
+        assert trl_routing.is_installed()
+    from fused_ce_patch import revert_fused_ce
+
+    revert_fused_ce(model)
+    assert not trl_routing.is_installed()
+    import trl.trainer.sft_trainer as sft_mod
+
+    assert not type(getattr(sft_mod, "_chunked_cross_entropy_loss", len)).__name__.startswith(
+        "_Routed")
+    if HAS_FUSED_HEAD:
+        import trl.trainer.utils as utils_mod
+
+        assert not isinstance(utils_mod._ChunkedLogProbFunction,
+                              trl_routing._RoutedChunkedLogProb)
+
+
+def test_unpatched_model_keeps_trl_kernel_while_another_is_patched(tmp_path, token_spy):
+    other = apply_fused_ce(build_model("llama"))  # noqa: F841 - keeps the routing alive
+    _sft(build_model("llama"), tmp_path)
+    assert token_spy.count == 0
+
+
+def _dpo_rows():
+    g = torch.Generator().manual_seed(1)
+
+    def words(n):
+        return " ".join(f"t{i}" for i in torch.randint(3, VOCAB, (n,), generator=g).tolist())
+
+    return [{"prompt": words(5), "chosen": " " + words(4), "rejected": " " + words(3)}
+            for _ in range(4)]
+
+
+def _dpo(model, ref, tmp_path, callbacks=()):
+    extra = {"max_steps": 1}
+    args = trl.DPOConfig(**{**_common(tmp_path), **extra})
+    trainer = trl.DPOTrainer(model=model, ref_model=ref, args=args,
+                             train_dataset=datasets.Dataset.from_list(_dpo_rows()),
+                             processing_class=_tokenizer(), callbacks=list(callbacks))
+    trainer.train()
+    return trainer
+
+
+DPO_KEYS = ["loss", "logps/chosen", "logps/rejected", "rewards/margins"]
+
+
+@pytest.mark.skipif(not HAS_FUSED_HEAD, reason="DPO computes from logits before trl 1.15")
+def test_dpo_step_with_our_kernel(tmp_path, token_spy):
+    init = build_model("llama")
+    want = _history(_dpo(reference_copy(init), reference_copy(init), tmp_path / "s"), DPO_KEYS)
+    assert token_spy.count == 0
+    trainer = _dpo(reference_copy(init), reference_copy(init), tmp_path / "o",
+                   [FusedCECallback()])
+    assert token_spy.count > 0
+    _assert_same_logs(_history(trainer, DPO_KEYS), want, DPO_KEYS)
+
+
+def _grpo(model, tmp_path, callbacks=()):
+    def reward(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    extra = {"max_steps": 1, "num_generations": 2, "max_completion_length": 4,
+             "per_device_train_batch_size": 2, "generation_batch_size": 2, "beta": 0.1}
+    args = trl.GRPOConfig(**{**_common(tmp_path), **extra})
+    prompts = [{"prompt": "t5 t6 t7"}, {"prompt": "t8 t9"}]
+    torch.manual_seed(0)  # same sampled completions in both runs
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args,
+                              train_dataset=datasets.Dataset.from_list(prompts),
+                              processing_class=_tokenizer(), callbacks=list(callbacks))
+    trainer.train()
+    return trainer
+
+
+GRPO_KEYS = ["loss", "entropy", "kl"]
+
+
+@pytest.mark.skipif(not HAS_FUSED_HEAD, reason="GRPO computes from logits before trl 1.15")
+def test_grpo_step_with_our_kernel(tmp_path, token_spy):
+    from transformers import AutoModelForCausalLM
+
+    # GRPO builds its reference model from the policy's path (beta > 0)
+    build_model("llama").save_pretrained(tmp_path / "init")
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(tmp_path / "init", dtype=torch.float32)
+
+    want = _history(_grpo(load(), tmp_path / "s"), GRPO_KEYS)
+    assert token_spy.count == 0
+    trainer = _grpo(load(), tmp_path / "o", [FusedCECallback()])
+    assert token_spy.count > 0
+    _assert_same_logs(_history(trainer, GRPO_KEYS), want, GRPO_KEYS)
