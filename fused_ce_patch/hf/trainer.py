@@ -54,6 +54,7 @@ from dataclasses import dataclass, field, make_dataclass
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..errors import FusedCEFlagError
+from .forward import STATE_ATTR
 from .patch import apply_fused_ce, is_fused_ce_applied, make_options, unwrap_causal_lm
 
 logger = logging.getLogger(__name__)
@@ -207,11 +208,22 @@ class FusedCECallback(TrainerCallback):
         }
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        if model is not None and self._is_enabled(args):
-            apply_fused_ce(model, **self._options(args))
-            trainer = _calling_trainer(depth=6)
-            if trainer is not None:
-                _install_prediction_step(trainer)
+        if model is None or not self._is_enabled(args):
+            return
+        options = self._options(args)
+        trainer = _calling_trainer(depth=6)
+        before = None
+        if trainer is not None and "trl" in sys.modules and not options["return_logits"] \
+                and not is_fused_ce_applied(model):
+            from .trl import convert_nll_sft_trainer
+
+            before = convert_nll_sft_trainer(trainer, unwrap_causal_lm(model))
+        apply_fused_ce(model, **options)
+        if before is not None:
+            # revert gives back the forward from before TRL's chunked head went on
+            unwrap_causal_lm(model).__dict__[STATE_ATTR].previous = before
+        if trainer is not None:
+            _install_prediction_step(trainer)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is not None and self._is_enabled(args) and not is_fused_ce_applied(model):

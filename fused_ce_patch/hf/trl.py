@@ -207,3 +207,76 @@ def is_trl_head_forward(fn) -> bool:
         "add_fused_lm_head.<locals>._fused_forward",
         "_patch_chunked_ce_lm_head.<locals>._chunked_ce_forward",
     )
+
+
+# -- loss_type="nll" (trl <= 1.6 default; explicit later) ------------------------------------
+
+
+def _is_sft_trainer(trainer) -> bool:
+    module = sys.modules.get("trl.trainer.sft_trainer")
+    cls = getattr(module, "SFTTrainer", None)
+    return cls is not None and isinstance(trainer, cls)
+
+
+def convert_nll_sft_trainer(trainer, target) -> object | None:
+    """Give a TRL ``SFTTrainer`` with ``loss_type="nll"`` TRL's own ``chunked_nll`` head.
+
+    With ``"nll"``, ``SFTTrainer.compute_loss`` computes its ``entropy`` and
+    ``mean_token_accuracy`` metrics from ``outputs.logits`` (trl 1.6, 1.10), which the fused
+    path never builds. TRL's ``chunked_nll`` head computes the same loss and both metrics
+    without logits, and its kernel is routed to fused_ce_patch; so the model gets that head
+    (``_patch_chunked_ce_lm_head``, as ``SFTTrainer.__init__`` would install it), and this
+    trainer's ``compute_loss`` reads ``args.loss_type`` as ``"chunked_nll"`` during each call
+    while the head is in place (the arguments object is left as it was between calls).
+
+    Returns what the instance held under ``forward`` before (for revert), or None when the
+    trainer needs nothing (not an SFTTrainer, another loss type, Liger, a custom loss, a PEFT
+    adapter on lm_head, or a TRL without the chunked head — then TRL's metrics need
+    ``return_logits=True``).
+    """
+    module = sys.modules.get("trl.trainer.sft_trainer")
+    patch_head = getattr(module, "_patch_chunked_ce_lm_head", None)
+    args = trainer.args
+    if (patch_head is None or not _is_sft_trainer(trainer)
+            or getattr(args, "loss_type", None) != "nll" or args.use_liger_kernel
+            or trainer.compute_loss_func is not None or trainer.label_smoother is not None):
+        return None
+    head = target.get_output_embeddings()
+    if "peft" in sys.modules and isinstance(
+        head, sys.modules["peft"].tuners.tuners_utils.BaseTunerLayer
+    ):
+        return None
+    from .patch import _MISSING
+
+    before = target.__dict__.get("forward", _MISSING)
+    chunk = getattr(module, "_CHUNKED_LM_HEAD_CHUNK_SIZE", 256)
+    patch_head(target, chunk_size=chunk, is_vlm=getattr(trainer, "_is_vlm", False))
+    _wrap_compute_loss(trainer, target)
+    logger.info("fused_ce_patch: SFTTrainer(loss_type='nll') reads logits for its metrics; "
+                "this trainer uses TRL's chunked_nll head, computed by fused_ce_patch")
+    return before
+
+
+def _wrap_compute_loss(trainer, target) -> None:
+    import functools
+    import weakref
+
+    if "compute_loss" in trainer.__dict__:
+        return
+    original = trainer.compute_loss
+    target_ref = weakref.ref(target)
+
+    @functools.wraps(original)
+    def compute_loss(model, inputs, *args, **kwargs):
+        owner = target_ref()
+        if owner is None or not is_trl_head_forward(owner.__dict__.get("forward")):
+            return original(model, inputs, *args, **kwargs)  # reverted: stock behaviour
+        config = trainer.args
+        saved = config.loss_type
+        config.loss_type = "chunked_nll"
+        try:
+            return original(model, inputs, *args, **kwargs)
+        finally:
+            config.loss_type = saved
+
+    trainer.compute_loss = compute_loss
