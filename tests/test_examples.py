@@ -25,7 +25,8 @@ def run_example(name: str, *args: str) -> str:
 
 
 def test_every_example_is_tested():
-    tested = {"trainer_flag.py", "peft_lora.py", "auto_model.py", "plain_pytorch_loop.py"}
+    tested = {"trainer_flag.py", "peft_lora.py", "auto_model.py", "plain_pytorch_loop.py",
+              "trl_sft.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -49,3 +50,9 @@ def test_auto_model():
 def test_plain_pytorch_loop():
     out = run_example("plain_pytorch_loop.py", "--steps", "2", "--seq-len", "32")
     assert "step 2/2" in out
+
+
+def test_trl_sft():
+    pytest.importorskip("trl")  # run by .ci/trl_matrix.sh, which installs TRL
+    out = run_example("trl_sft.py", "--compare", "--seq-len", "32")
+    assert "stock TRL (kernel calls 0)" in out
