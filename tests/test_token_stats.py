@@ -181,3 +181,41 @@ def test_mean_logits_and_log_sum_sq_probs(backend):
                                rtol=1e-10, atol=1e-10)
     assert not out.mean_logits.requires_grad and not out.log_sum_sq_probs.requires_grad
     out.log_probs.sum().backward()  # the extra outputs do not disturb the backward
+
+
+def test_row_and_vocab_tiles_both_split(monkeypatch):
+    from fused_ce_patch.backends import token_stats as ts
+
+    monkeypatch.setattr(ts, "ROWS_MAX", 4)  # several row tiles as well as vocabulary blocks
+    hid, w, b, y = _inputs(19, 5, 29, seed=13)
+    out = fused_linear_token_stats(hid, w, y, bias=b, entropy=True, accuracy=True,
+                                   softcap=3.0, logits_budget=16 * 4 * 6, backend="torch")
+    assert ts.tile_shape(19, 29, 16 * 4 * 6) == (4, 6)
+    ref = _oracle(hid, w, b, y, softcap=3.0)
+    torch.testing.assert_close(out.log_probs, ref[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out.entropy, ref[1], rtol=1e-10, atol=1e-10)
+    assert torch.equal(out.is_top1, ref[2])
+    g = torch.randn(19, dtype=torch.float64)
+    got = torch.autograd.grad((out.log_probs * g).sum() + out.entropy.sum(), (hid, w, b))
+    want = torch.autograd.grad((ref[0] * g).sum() + ref[1].sum(), (hid, w, b))
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-10)
+
+
+def test_tiny_benchmark_runs(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_trl_head.py"
+    spec = importlib.util.spec_from_file_location("gpu_trl_head", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    impls = "ours-sft,ours-logp,ours-loss"
+    if importlib.util.find_spec("trl") is not None and \
+            importlib.util.find_spec("trl.kernels") is not None:  # trl >= 1.15
+        impls += ",trl-sft,trl-logp"
+    rows = bench.main(["--tiny", "--iters", "1", "--warmup", "0", "--impls", impls,
+                       "--out", str(tmp_path)])
+    assert rows and all("error" not in r for r in rows), rows
+    assert all(r["err_loss"] < 1e-3 and r["err_dh"] < 1e-2 for r in rows)
+    assert (tmp_path / "gpu_trl_head_tiny.json").is_file()

@@ -7,17 +7,22 @@ so it works on every device torch runs on (CPU, CUDA, NPU); the matmuls go to th
 BLAS.
 
 Optionally also ``mean_v z_v`` and ``log sum_v p_v^2`` (TRL's ``mean_logits`` and
-``log_sum_sq_probs``, without gradient). Per chunk of ``R`` rows (``R`` chosen so that about four float32 ``[R, V]`` temporaries fit in
-``logits_budget``) the forward computes ``z = T(h W^T + b)``, with
-``T(x) = c * tanh(s * x / c) / t`` (logit scale ``s``, softcap ``c``, temperature ``t``), then
-``log p_y = z_y - LSE(z)``, ``H = LSE(z) - sum_v p_v z_v`` and ``argmax z == y``, keeping only
-``[R]``-sized results. The backward recomputes each chunk's logits and forms
+``log_sum_sq_probs``, without gradient). The logits are visited in tiles of ``R`` rows by ``Vb`` vocabulary columns, sized so that about
+four float32 ``[R, Vb]`` temporaries fit in ``logits_budget``. With
+``T(x) = c * tanh(s * x / c) / t`` (logit scale ``s``, softcap ``c``, temperature ``t``), the
+forward computes each tile's ``z = T(h W_b^T + b_b)`` and folds it into per-row running
+statistics (online log-sum-exp: running max ``m``, ``sum exp(z - m)``, ``sum exp(z - m) z``,
+the label's logit, the first argmax), giving ``log p_y = z_y - LSE``,
+``H = LSE - sum_v p_v z_v`` and ``argmax z == y`` with only ``[M]``-sized state. The backward
+walks vocabulary blocks in the outer loop, recomputes each tile's logits, and forms
 
     dL/dz_v = g_lp * (1[v = y] - p_v) - g_H * p_v * (log p_v + H)
 
-then chains through ``T`` and projects with ``dh = dz W``, ``dW += dz^T h``, ``db += sum dz``,
-accumulating in float32 (float64 for float64 inputs). Peak extra memory is the chunk's
-temporaries plus one float32 copy of ``dW``, never ``N * V``.
+then chains through ``T`` and projects with ``dh += dz W_b`` (float32 ``[M, H]``
+accumulator) and ``dW_b = dz^T h`` (complete once its rows are done, so no float32 copy of
+the whole ``dW`` is held), ``db_b = sum dz``; projections run in the inputs' dtype with float32
+(float64 for float64) accumulation. Peak extra memory: the tile temporaries, one ``[M, H]``
+float32 accumulator and one ``[Vb, H]`` block; never ``N * V``.
 
 Source of the entropy gradient: ``d/dz_v (-sum_u p_u log p_u) = -p_v (log p_v + H)``; the same
 form is used by TRL's ``trl/kernels/chunked_logprob.py`` (read for the field names, not copied).
@@ -25,14 +30,18 @@ form is used by TRL's ``trl/kernels/chunked_logprob.py`` (read for the field nam
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-#: Default bytes of transient logits per chunk when the caller gives no budget.
+#: Default bytes of transient logits per tile when the caller gives no budget.
 DEFAULT_BUDGET = 256 * 2**20
-#: float32 ``[R, V]`` temporaries alive at once in the backward (z, p, log p / dz, one spare).
+#: float32 ``[R, Vb]`` temporaries alive at once in the backward (z, p, log p / dz, one spare).
 _TEMPORARIES = 4
+#: Most rows in one tile: enough for full-speed matmuls, few enough to leave room for wide
+#: vocabulary blocks.
+ROWS_MAX = 8192
 
 
 @dataclass(frozen=True)
@@ -66,17 +75,35 @@ class Transform:
         return dz
 
 
-def chunk_rows(n_rows: int, vocab: int, budget: int | None) -> int:
-    """Rows per chunk so that the float32 temporaries fit in ``budget`` bytes (at least 1)."""
+def tile_shape(n_rows: int, vocab: int, budget: int | None) -> tuple[int, int]:
+    """``(R, Vb)``: rows and vocabulary columns of one tile, so that the float32 temporaries
+    of a tile fit in ``budget`` bytes (each at least 1)."""
     budget = DEFAULT_BUDGET if budget is None or budget <= 0 else budget
-    return max(1, min(n_rows, budget // (_TEMPORARIES * 4 * max(vocab, 1))))
+    cells = max(1, budget // (_TEMPORARIES * 4))
+    block = min(vocab, max(1, cells // max(1, min(n_rows, ROWS_MAX))))
+    rows = min(n_rows, ROWS_MAX, max(1, cells // block))
+    return max(rows, 1), block
 
 
-def _logits(h, weight, bias, acc, transform):
-    z = (h @ weight.t()).to(acc)
-    if bias is not None:
-        z = z + bias.to(acc)
+def _logits(h, w_block, b_block, acc, transform):
+    z = (h @ w_block.t()).to(acc)
+    if b_block is not None:
+        z = z + b_block.to(acc)
     return transform.apply(z)
+
+
+def _addmm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into a float32/64 ``acc`` from inputs of any float dtype."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.device.type == "cuda":
+        try:  # torch >= 2.8 on CUDA: half inputs, float32 product, no rounding in between
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (TypeError, RuntimeError):
+            acc.add_(a @ b)
+    else:
+        acc.add_(a @ b)
 
 
 class TokenStatsFunction(torch.autograd.Function):
@@ -88,41 +115,60 @@ class TokenStatsFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, transform, extras, rows):
+    def forward(ctx, hidden, weight, bias, labels, transform, extras, tile):
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        m = hidden.shape[0]
+        m, vocab = hidden.shape[0], weight.shape[0]
+        rows, block = tile
+        dev = hidden.device
 
-        def new(name, dtype=acc):
-            return torch.empty(m, dtype=dtype, device=hidden.device) if name in extras else None
+        def new(fill, dtype=acc):
+            return torch.full((m,), fill, dtype=dtype, device=dev)
 
-        log_probs = new("log_probs")
-        entropy, is_top1 = new("entropy"), new("is_top1", torch.bool)
-        mean_logits, log_sum_sq = new("mean_logits"), new("log_sum_sq_probs")
-        lse_all = torch.empty(m, dtype=acc, device=hidden.device)
+        run_max, sum_exp, target = new(-math.inf), new(0.0), new(0.0)
+        z_exp = new(0.0) if "entropy" in extras else None
+        sq_exp = new(0.0) if "log_sum_sq_probs" in extras else None
+        z_sum = new(0.0) if "mean_logits" in extras else None
+        if "is_top1" in extras:
+            best, best_at = new(-math.inf), new(0, torch.int64)
         for r0 in range(0, m, rows):
             r1 = min(r0 + rows, m)
-            y = labels[r0:r1]
-            z, _ = _logits(hidden[r0:r1], weight, bias, acc, transform)
-            lse = torch.logsumexp(z, dim=-1)
-            lse_all[r0:r1] = lse
-            z_y = z.gather(1, y.unsqueeze(1)).squeeze(1)
-            log_probs[r0:r1] = z_y - lse
-            if is_top1 is not None:
-                # argmax takes the first maximum: a tie with an earlier token is not a hit
-                is_top1[r0:r1] = z.argmax(dim=-1) == y
-            if mean_logits is not None:
-                mean_logits[r0:r1] = z.mean(dim=-1)
-            if entropy is not None:
-                p = torch.exp(z - lse.unsqueeze(1))
-                entropy[r0:r1] = lse - (p * z).sum(dim=-1)
-                del p
-            if log_sum_sq is not None:
-                log_sum_sq[r0:r1] = torch.logsumexp(2.0 * (z - lse.unsqueeze(1)), dim=-1)
-            del z
+            h, y = hidden[r0:r1], labels[r0:r1]
+            mx, se, tg = run_max[r0:r1], sum_exp[r0:r1], target[r0:r1]
+            for v0 in range(0, vocab, block):
+                v1 = min(v0 + block, vocab)
+                z, _ = _logits(h, weight[v0:v1], None if bias is None else bias[v0:v1], acc,
+                               transform)
+                top, at = z.max(dim=-1)  # first maximum of the block
+                if "is_top1" in extras:
+                    # strictly greater: an earlier block keeps a tie (torch.argmax semantics)
+                    better = top > best[r0:r1]
+                    best[r0:r1] = torch.where(better, top, best[r0:r1])
+                    best_at[r0:r1] = torch.where(better, at + v0, best_at[r0:r1])
+                new_max = torch.maximum(mx, top)
+                alpha = torch.exp(mx - new_max)
+                e = torch.exp(z - new_max.unsqueeze(1))
+                se.mul_(alpha).add_(e.sum(dim=-1))
+                if z_exp is not None:
+                    z_exp[r0:r1] = z_exp[r0:r1] * alpha + (e * z).sum(dim=-1)
+                if sq_exp is not None:
+                    sq_exp[r0:r1] = sq_exp[r0:r1] * alpha * alpha + (e * e).sum(dim=-1)
+                if z_sum is not None:
+                    z_sum[r0:r1] += z.sum(dim=-1)
+                mx.copy_(new_max)
+                inside = (y >= v0) & (y < v1)
+                picked = z.gather(1, (y - v0).clamp(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
+                tg.copy_(torch.where(inside, picked, tg))
+                del z, e
+        lse = run_max + torch.log(sum_exp)
+        log_probs = target - lse
+        entropy = None if z_exp is None else lse - z_exp / sum_exp
+        is_top1 = None if "is_top1" not in extras else best_at == labels
+        mean_logits = None if z_sum is None else z_sum / vocab
+        log_sum_sq = None if sq_exp is None else torch.log(sq_exp) - 2.0 * torch.log(sum_exp)
         ctx.transform = transform
-        ctx.rows = rows
+        ctx.tile = tile
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, bias, labels, lse_all, entropy)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
         ctx.mark_non_differentiable(
             *(x for x in (is_top1, mean_logits, log_sum_sq) if x is not None)
         )
@@ -130,58 +176,74 @@ class TokenStatsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, *_non_differentiable):
-        hidden, weight, bias, labels, lse_all, entropy = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if g_lp is None and g_ent is None:
             return None, None, None, None, None, None, None
-        acc = lse_all.dtype
+        acc = lse.dtype
         transform = ctx.transform
-        m = hidden.shape[0]
-        dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
-        for r0 in range(0, m, ctx.rows):
-            r1 = min(r0 + ctx.rows, m)
-            h = hidden[r0:r1]
-            z, t = _logits(h, weight, bias, acc, transform)
-            log_p = z.sub_(lse_all[r0:r1].unsqueeze(1))  # z is not needed any more
-            p = torch.exp(log_p)
-            dz = torch.zeros_like(p)
-            if g_ent is not None:
-                dz.addcmul_(p, log_p + entropy[r0:r1].unsqueeze(1), value=-1.0)
-                dz.mul_(g_ent[r0:r1].to(acc).unsqueeze(1))
-            del log_p
-            if g_lp is not None:
-                g = g_lp[r0:r1].to(acc)
-                dz.addcmul_(p, g.unsqueeze(1), value=-1.0)
-                dz.scatter_add_(1, labels[r0:r1].unsqueeze(1), g.unsqueeze(1))
-            del p
-            dz = transform.chain(dz, t)
-            if need_b:
-                db.add_(dz.sum(dim=0))
-            # the projections run in the inputs' dtype (like lm_head's own backward); the
-            # float32 dW accumulator keeps chunk sums from rounding to half precision
-            dz = dz.to(hidden.dtype)
-            if need_h:
-                dh[r0:r1] = dz @ weight
-            if need_w:
-                if dw.dtype == dz.dtype:
-                    dw.addmm_(dz.t(), h)
+        rows, block = ctx.tile
+        m, vocab = hidden.shape[0], weight.shape[0]
+        g_lp = None if g_lp is None else g_lp.to(acc)
+        g_ent = None if g_ent is None else g_ent.to(acc)
+        # dH sums over vocabulary blocks (float32 [M, H]); each dW block is complete after its
+        # pass over the rows, so no float32 copy of the whole weight is ever held.
+        dh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+        dw = torch.empty_like(weight) if need_w else None
+        db = torch.empty_like(bias) if need_b else None
+        for v0 in range(0, vocab, block):
+            v1 = min(v0 + block, vocab)
+            w_blk = weight[v0:v1]
+            b_blk = None if bias is None else bias[v0:v1]
+            dw_blk = torch.zeros(w_blk.shape, dtype=acc, device=weight.device) if need_w else None
+            db_blk = torch.zeros(v1 - v0, dtype=acc, device=weight.device) if need_b else None
+            for r0 in range(0, m, rows):
+                r1 = min(r0 + rows, m)
+                h = hidden[r0:r1]
+                z, t = _logits(h, w_blk, b_blk, acc, transform)
+                log_p = z.sub_(lse[r0:r1].unsqueeze(1))
+                p = torch.exp(log_p)
+                if g_ent is not None:
+                    # d entropy / dz_v = -p_v (log p_v + H)
+                    dz = log_p.add_(entropy[r0:r1].unsqueeze(1)).mul_(p)
+                    dz.mul_(-g_ent[r0:r1].unsqueeze(1))
                 else:
-                    dw.add_(dz.t() @ h)
+                    dz = torch.zeros_like(p)
+                del log_p
+                if g_lp is not None:
+                    # d log p_y / dz_v = 1[v = y] - p_v
+                    g = g_lp[r0:r1]
+                    dz.addcmul_(p, g.unsqueeze(1), value=-1.0)
+                    y = labels[r0:r1]
+                    inside = (y >= v0) & (y < v1)
+                    dz.scatter_add_(1, (y - v0).clamp(0, v1 - v0 - 1).unsqueeze(1),
+                                    torch.where(inside, g, 0.0).unsqueeze(1))
+                del p
+                dz = transform.chain(dz, t)
+                if need_b:
+                    db_blk.add_(dz.sum(dim=0))
+                # projections in the inputs' dtype, as lm_head's own backward runs them
+                dz = dz.to(hidden.dtype)
+                if need_h:
+                    _addmm_acc(dh[r0:r1], dz, w_blk)
+                if need_w:
+                    _addmm_acc(dw_blk, dz.t(), h)
+                del dz
+            if need_w:
+                dw[v0:v1] = dw_blk.to(weight.dtype)
+            if need_b:
+                db[v0:v1] = db_blk.to(bias.dtype)
         return (
-            dh,
-            None if dw is None else dw.to(weight.dtype),
-            None if db is None else db.to(bias.dtype),
-            None, None, None, None,
+            None if dh is None else dh.to(hidden.dtype),
+            dw, db, None, None, None, None,
         )
 
 
 def token_stats_chunked(hidden, weight, bias, labels, transform, extras, logits_budget):
     """Run :class:`TokenStatsFunction` on ``[M, H]`` rows with ``[M]`` valid labels."""
-    rows = chunk_rows(hidden.shape[0], weight.shape[0], logits_budget)
+    tile = tile_shape(hidden.shape[0], weight.shape[0], logits_budget)
     return TokenStatsFunction.apply(hidden, weight, bias, labels, transform,
-                                    frozenset(extras) | {"log_probs"}, rows)
+                                    frozenset(extras), tile)
 
 
 def token_stats_reference(hidden, weight, bias, labels, transform, extras):

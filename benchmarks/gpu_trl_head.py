@@ -1,0 +1,256 @@
+"""fused_ce_patch against TRL's fused LM head kernel, at the five loss shapes, on one GPU.
+
+Question: when TRL's trainers (trl >= 1.15) compute with fused_ce_patch instead of their own
+``ChunkedLogProbFunction``, what happens to time, memory beyond the gradients, and error?
+
+Implementations (each a ``(hidden, weight, labels) -> mean loss`` with backward to hidden and
+weight; ``labels`` has 10 % ``-100``):
+    trl-sft        TRL's kernel as its SFT head calls it: counted rows only (``hidden[mask]``),
+                   outputs log_probs, entropy, is_top1 (trl.kernels.ChunkedLogProbFunction,
+                   chunk 32768 as in trl.trainer.utils)
+    trl-logp       the same with log_probs only (DPO's reference model, GRPO without entropy)
+    ours-sft       fused_linear_token_stats(entropy=True, accuracy=True): what the routed
+                   TRL head computes for a patched model
+    ours-logp      fused_linear_token_stats, log_probs only
+    ours-loss      fused_linear_cross_entropy (backend "auto"): the fused loss of a plain
+                   Trainer run, for comparison
+The loss is ``-sum(log_probs) / n_counted`` (TRL's SFT loss).
+
+Method: bf16 inputs (hidden ~ N(0, 1), weight ~ N(0, 1/H)), 10 % ignored labels. Time: median
+of ``--iters`` fwd+bwd with CUDA events after ``--warmup`` runs. Memory: peak
+``torch.cuda.max_memory_allocated`` during one fwd+bwd minus what was allocated before it,
+minus the bf16 dH and dW themselves ("extra"). Error: ``||x - ref|| / ||ref||`` of loss, dH,
+dW against float32 materialised logits from the same bf16 inputs.
+
+Run (the GPU machine has no network: carry the trl wheel, pure Python, and install it with
+``pip install --no-deps trl-1.16.0-py3-none-any.whl``)::
+
+    python benchmarks/gpu_trl_head.py --out $OUT           # H200: table + gpu_trl_head.json
+    python benchmarks/gpu_trl_head.py --tiny               # CPU dry run of the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+SHAPES = {  # name: (N, H, V, softcap)
+    "llama3-8b": (8192, 4096, 128256, None),
+    "gemma2-2b": (8192, 2304, 256000, 30.0),
+    "qwen2.5-7b": (8192, 3584, 152064, None),
+    "llama2-7b": (8192, 4096, 32000, None),
+    "gemma3-270m": (32768, 640, 262144, None),
+}
+TINY = {"tiny": (64, 32, 1003, None), "tiny-softcap": (48, 24, 517, 30.0)}
+IMPLS = ["trl-sft", "trl-logp", "ours-sft", "ours-logp", "ours-loss"]
+TRL_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE (trl 1.16)
+MiB = 2**20
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    p.add_argument("--tiny", action="store_true", help="CPU dry run at tiny shapes")
+    args = p.parse_args(argv)
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    dev = "cpu" if args.tiny else "cuda"
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit("needs CUDA (use --tiny for a CPU dry run)")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    shapes = TINY if args.tiny else {k: SHAPES[k] for k in args.shapes.split(",")}
+    env = environment(torch, dev)
+    print(json.dumps(env), flush=True)
+    rows = []
+    for name, (n, h, v, softcap) in shapes.items():
+        print(f"\n== {name}: N={n} H={h} V={v} softcap={softcap}", flush=True)
+        data = make_inputs(torch, n, h, v, dev)
+        ref = reference(torch, data, softcap)
+        for impl in args.impls.split(","):
+            t0 = time.time()
+            try:
+                row = measure(torch, build(torch, impl, softcap), data, ref, args, dev)
+            except Exception as exc:  # one failing implementation must not end the run
+                traceback.print_exc()
+                row = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            row.update(shape=name, impl=impl, N=n, H=h, V=v, softcap=softcap,
+                       wall_s=round(time.time() - t0, 1))
+            rows.append(row)
+            print(fmt_row(row), flush=True)
+            cleanup(torch, dev)
+        del data, ref
+        cleanup(torch, dev)
+        save(args, env, rows)
+    print_table(rows)
+    return rows
+
+
+def make_inputs(torch, n, h, v, dev):
+    g = torch.Generator(device=dev).manual_seed(0)
+    hidden = torch.randn(n, h, device=dev, generator=g).bfloat16()
+    weight = (torch.randn(v, h, device=dev, generator=g) / math.sqrt(h)).bfloat16()
+    labels = torch.randint(0, v, (n,), device=dev, generator=g)
+    labels[torch.rand(n, device=dev, generator=g) < 0.1] = -100
+    return {"hidden": hidden, "weight": weight, "labels": labels}
+
+
+def reference(torch, data, softcap):
+    """float32 loss, dH, dW through materialised logits (the same bf16 inputs, upcast)."""
+    import torch.nn.functional as F
+
+    h = data["hidden"].float().requires_grad_()
+    w = data["weight"].float().requires_grad_()
+    z = F.linear(h, w)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    loss = F.cross_entropy(z, data["labels"])
+    dh, dw = torch.autograd.grad(loss, [h, w])
+    del z
+    return {"loss": loss.detach(), "dh": dh, "dw": dw}
+
+
+def build(torch, impl, softcap):
+    sft = ("log_probs", "entropy", "is_top1")
+    if impl.startswith("trl"):
+        from trl.kernels import ChunkedLogProbFunction
+
+        outputs = sft if impl == "trl-sft" else ("log_probs",)
+
+        def trl_head(hidden, weight, labels):
+            mask = labels != -100  # TRL's head scores the counted rows only (on CUDA)
+            lp = ChunkedLogProbFunction.apply(hidden[mask], weight, None, labels[mask], 1.0,
+                                              TRL_CHUNK, softcap, 1.0, outputs)[0]
+            return -lp.sum() / mask.sum().clamp(min=1)
+
+        return trl_head
+    if impl in ("ours-sft", "ours-logp"):
+        from fused_ce_patch import fused_linear_token_stats
+
+        full = impl == "ours-sft"
+
+        def ours(hidden, weight, labels):
+            s = fused_linear_token_stats(hidden, weight, labels, softcap=softcap,
+                                         entropy=full, accuracy=full)
+            return -s.log_probs.sum() / s.mask.sum().clamp(min=1)
+
+        return ours
+    if impl == "ours-loss":
+        from fused_ce_patch import fused_linear_cross_entropy
+
+        return lambda hd, w, y: fused_linear_cross_entropy(hd, w, y, softcap=softcap)
+    raise ValueError(f"unknown implementation {impl!r}; valid: {', '.join(IMPLS)}")
+
+
+def measure(torch, fn, data, ref, args, dev):
+    hidden = data["hidden"].clone().requires_grad_()
+    weight = data["weight"].clone().requires_grad_()
+    labels = data["labels"]
+
+    def step():
+        hidden.grad = weight.grad = None
+        loss = fn(hidden, weight, labels)
+        loss.backward()
+        return loss
+
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.iters):
+        if dev == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    hidden.grad = weight.grad = None
+    extra = None
+    if dev == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        loss = step()
+        torch.cuda.synchronize()
+        grads = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
+        extra = (torch.cuda.max_memory_allocated() - before - grads) / MiB
+    else:
+        loss = step()
+
+    def rel(a, b):
+        a, b = a.detach().float(), b.float()
+        return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+    return {
+        "ms": round(statistics.median(times), 3),
+        "extra_mib": None if extra is None else round(extra, 1),
+        "err_loss": rel(loss, ref["loss"]),
+        "err_dh": rel(hidden.grad, ref["dh"]),
+        "err_dw": rel(weight.grad, ref["dw"]),
+    }
+
+
+def cleanup(torch, dev):
+    import gc
+
+    gc.collect()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+
+def environment(torch, dev):
+    env = {"python": platform.python_version(), "torch": torch.__version__, "device": dev}
+    if dev == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+    for pkg in ("trl", "transformers", "triton"):
+        try:
+            env[pkg] = __import__(pkg).__version__
+        except Exception as exc:  # noqa: BLE001 - record why, keep going
+            env[pkg] = f"unavailable ({type(exc).__name__})"
+    return env
+
+
+def fmt_row(r):
+    if "error" in r:
+        return f"{r['shape']:>12} {r['impl']:>10}  ERROR {r['error']}"
+    mem = "-" if r["extra_mib"] is None else f"{r['extra_mib']:.0f}"
+    return (f"{r['shape']:>12} {r['impl']:>10} {r['ms']:>9.2f} ms {mem:>8} MiB  "
+            f"loss {r['err_loss']:.1e}  dH {r['err_dh']:.1e}  dW {r['err_dw']:.1e}")
+
+
+def print_table(rows):
+    print("\n| shape | impl | ms | extra MiB | err loss | err dH | err dW |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['impl']} | error: {r['error'][:60]} | | | | |")
+            continue
+        mem = "-" if r["extra_mib"] is None else f"{r['extra_mib']:.0f}"
+        print(f"| {r['shape']} | {r['impl']} | {r['ms']:.2f} | {mem} | {r['err_loss']:.1e} | "
+              f"{r['err_dh']:.1e} | {r['err_dw']:.1e} |")
+
+
+def save(args, env, rows):
+    os.makedirs(args.out, exist_ok=True)
+    name = "gpu_trl_head_tiny.json" if args.tiny else "gpu_trl_head.json"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
