@@ -15,7 +15,7 @@ the callback must be passed. The callback patches the model in ``on_init_end`` â
 mixed-precision wrapper binds ``model.forward`` at prepare time (accelerate 1.x
 ``Accelerator.prepare_model``); patching later would lose autocast. Token counting stays exact:
 ``Trainer.__init__`` has already decided how to count ``num_items_in_batch`` by then, and the
-replacement ``LOSS_MAPPING`` entry keeps that decision right anyway (see
+patch leaves ``LOSS_MAPPING`` untouched, so that decision is the stock one anyway (see
 :mod:`fused_ce_patch.hf.loss_mapping`). Calling ``apply_fused_ce(model)`` before building the
 Trainer is equivalent.
 
