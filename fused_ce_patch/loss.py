@@ -58,9 +58,10 @@ def fused_linear_cross_entropy(
             counted, unlike torch's NaN), ``"sum"``, or ``"none"`` (``labels``-shaped losses,
             0 at ignored positions, float32).
         num_items_in_batch: if given (int, finite float, or a tensor with one element on any
-            device and of any number dtype), the result is ``sum / num_items_in_batch`` — transformers'
-            convention for exact gradient accumulation. A value <= 0 (only a batch without any
-            counted position gives one) counts as 1, so the result is 0.0 rather than NaN.
+            device and of any number dtype), the result is ``sum / num_items_in_batch`` —
+            transformers' convention for exact gradient accumulation. A value <= 0 (only a
+            batch without any counted position gives one) counts as 1, so the result is 0.0
+            rather than NaN.
             Not allowed with ``reduction="none"``.
         shift: causal shift: position ``t`` predicts ``labels[..., t + 1]``; the last position
             of each sequence predicts nothing. Leave False for labels that are already shifted

@@ -287,8 +287,10 @@ def test_auto_ignores_the_triton_interpreter_for_cpu_tensors(clean_registry, spy
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # and no fallback warning: nothing was passed over
         flce(hidden, weight, labels)
-    flce(hidden, weight, labels, backend="triton")
-    assert spy_runs == ["torch", "triton"]
+    assert spy_runs == ["torch"]
+    # (Running the kernels needs TRITON_INTERPRET set before triton is imported: that is
+    # tests/backends/test_triton.py's job; here, the explicit choice still resolves.)
+    assert registry.resolve("triton", cpu, torch.float32).name == "triton"
 
 
 def test_env_var_overrides_auto(clean_registry, spy_runs, monkeypatch):

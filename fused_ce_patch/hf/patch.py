@@ -263,8 +263,9 @@ def apply_fused_ce(
         backend: backend of :func:`~fused_ce_patch.fused_linear_cross_entropy`.
         logits_budget: bytes of transient logits one chunk may hold (None: backend default).
         return_logits: keep the stock path everywhere (real logits; no memory saving) while
-            still computing that loss with the chunked logits loss. ``$FUSED_CE_RETURN_LOGITS=1`` does
-            the same for every patched model, read at each call.
+            still computing that loss with the chunked logits loss.
+            ``$FUSED_CE_RETURN_LOGITS=1`` does the same for every patched model, read at
+            each call.
 
     Returns:
         ``model`` itself (patched in place). Applying again is a no-op apart from taking the
@@ -333,9 +334,9 @@ def revert_fused_ce(model=None):
 
     The exact objects found at apply time come back: the instance's ``forward`` and
     ``loss_function`` entries (or their absence), the class's ``forward`` and
-    ``loss_function``. Deep copies of a patched model are patched and tracked too. If accelerate wrapped the patched forward after
-    :func:`apply_fused_ce`, its wrapper stays in place but the patched forward inside it now
-    behaves exactly as the stock forward.
+    ``loss_function``. Deep copies of a patched model are patched and tracked too. If
+    accelerate wrapped the patched forward after :func:`apply_fused_ce`, its wrapper stays in
+    place but the patched forward inside it now behaves exactly as the stock forward.
     """
     if model is None:
         for inst in list(_PATCHED_INSTANCES):
@@ -369,13 +370,13 @@ def _revert_instance(target):
 
 
 def _revert_class(cls):
+    loss_mapping.unroute_class(cls)  # even if someone replaced the patched forward since
     current = cls.__dict__.get("forward")
     if current is None or not is_patched_forward(current):
         return
     stock = stock_forward_of(current)
     class_slot(stock).options = None
     cls.forward = stock
-    loss_mapping.unroute_class(cls)
     _PATCHED_CLASSES.discard(cls)
 
 
