@@ -174,8 +174,9 @@ class InstanceLoss:
     Installed by ``apply_fused_ce`` through transformers' ``loss_function`` setter (the
     instance's ``_loss_function``, read before ``LOSS_MAPPING`` by
     ``PreTrainedModel.loss_function`` on 5.17 and 5.24), so no other model sees it. Copies share
-    it; pickling stores the loss the model had before the patch (the unpickled model is
-    unpatched, see ``_InstanceState.__reduce__``).
+    it; pickling stores the loss the model had before the patch, or transformers'
+    ``ForCausalLMLoss`` when it had none of its own (the unpickled model is unpatched, see
+    ``_InstanceState.__reduce__``).
     """
 
     __slots__ = ("previous",)

@@ -247,3 +247,27 @@ def test_num_items_in_batch_divides_exactly(n):
     got = chunked_causal_lm_loss(logits, labels, VOCAB, num_items_in_batch=n)
     ref = ORIGINAL(logits, labels, VOCAB, num_items_in_batch=n)
     assert_close_rel(got, ref, 1e-5, f"num_items={n!r}")
+
+
+def test_peft_wrapped_patch_is_routed_on_the_base_model_only(logits_loss_spy):
+    peft = pytest.importorskip("peft")
+    base = build_model("llama")
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    other = build_model("llama", seed=2)
+    apply_fused_ce(wrapped)
+    assert isinstance(base.__dict__["_loss_function"], loss_mapping.InstanceLoss)
+    assert _stock_behaviour(other) == (True, IndexError) and logits_loss_spy.count == 0
+    revert_fused_ce(wrapped)
+    assert "_loss_function" not in base.__dict__ and base.loss_function is ORIGINAL
+
+
+def test_class_patched_eval_loss_equals_stock(logits_loss_spy):
+    model = build_model("llama").eval()
+    b = batch()
+    with torch.no_grad():
+        want = model(**b).loss
+    apply_fused_ce_to_llama()
+    with torch.no_grad():
+        got = model(**b).loss
+    assert logits_loss_spy.count == 1
+    assert_close_rel(got, want, 1e-6, "eval loss")
