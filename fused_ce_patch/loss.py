@@ -52,15 +52,16 @@ def fused_linear_cross_entropy(
         labels: ``[...]`` (``hidden.shape[:-1]``) integer class indices in ``[0, V)`` or
             ``ignore_index``; int64, int32 accepted.
         bias: ``[V]`` lm_head bias, or None.
-        ignore_index: label value of positions that add nothing to the loss, the counts or
-            any gradient.
+        ignore_index: int label value of positions that add nothing to the loss, the counts
+            or any gradient.
         reduction: ``"mean"`` (over counted positions; 0.0 with zero gradients when none is
             counted, unlike torch's NaN), ``"sum"``, or ``"none"`` (``labels``-shaped losses,
             0 at ignored positions, float32).
-        num_items_in_batch: if given (int, or a tensor with one element on any device and of
-            any number dtype), the result is ``sum / num_items_in_batch`` — transformers'
-            convention for exact gradient accumulation. A value <= 0 (only a batch without any
-            counted position gives one) counts as 1, so the result is 0.0 rather than NaN.
+        num_items_in_batch: if given (int, finite float, or a tensor with one element on any
+            device and of any number dtype), the result is ``sum / num_items_in_batch`` —
+            transformers' convention for exact gradient accumulation. A value <= 0 (only a
+            batch without any counted position gives one) counts as 1, so the result is 0.0
+            rather than NaN.
             Not allowed with ``reduction="none"``.
         shift: causal shift: position ``t`` predicts ``labels[..., t + 1]``; the last position
             of each sequence predicts nothing. Leave False for labels that are already shifted
@@ -72,7 +73,14 @@ def fused_linear_cross_entropy(
         logits_budget: bytes of transient logits one chunk may hold; 0 keeps none (tiles live
             on chip only where the backend can do that); None takes the backend's default.
         backend: ``"auto"``, ``"triton"``, ``"ascend"``, ``"torch"`` or ``"reference"``
-            (``$FUSED_CE_BACKEND`` overrides ``"auto"``).
+            (``$FUSED_CE_BACKEND`` overrides ``"auto"``). ``"auto"`` picks the backend of the
+            tensors' real device type (``triton`` for CUDA, ``ascend`` for NPU, ``torch``
+            otherwise); ``TRITON_INTERPRET=1`` never makes it pick a Triton backend for CPU
+            tensors (ask for ``backend="triton"`` explicitly to use the interpreter).
+
+    Numeric options never accept a bool (``softcap=True`` is a ``TypeError``, not 1.0):
+    ``ignore_index`` and ``logits_budget`` must be ints; ``softcap``, ``label_smoothing``
+    and ``z_loss`` Python/NumPy numbers.
 
     Returns:
         A 0-d float32 loss (float64 for float64 inputs), or ``labels``-shaped per-position
@@ -81,9 +89,10 @@ def fused_linear_cross_entropy(
     Raises:
         ValueError: a label outside ``[0, V)`` that is not ``ignore_index`` (names the value
             and V); mismatched shapes (names both); unknown reduction or backend (lists the
-            valid ones); an option out of range.
+            valid ones); an option out of range; meta-device (data-less) tensors.
         TypeError: ``hidden``, ``weight`` and ``bias`` dtypes differ outside autocast; labels
-            not integer; inputs not floating point.
+            not integer; inputs not floating point; an option of the wrong type (a bool for
+            any numeric option, a float ``ignore_index`` or ``logits_budget``).
         BackendUnavailableError: the requested backend cannot run on this device.
 
     Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024) for
@@ -93,6 +102,8 @@ def fused_linear_cross_entropy(
     _check_options(
         reduction, backend, num_items_in_batch, softcap, label_smoothing, z_loss, logits_budget
     )
+    ignore_index = _check_ignore_index(ignore_index)
+    _check_real_tensors(hidden, weight, labels, bias)  # before autocast, which rejects meta
     hidden, weight, bias = _autocast(hidden, weight, bias)
     _check_tensors(hidden, weight, labels, bias)
     if labels.dtype != torch.int64:
@@ -149,7 +160,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     ):
         super().__init__()
         _check_options(reduction, backend, None, softcap, label_smoothing, z_loss, logits_budget)
-        self.ignore_index = ignore_index
+        self.ignore_index = _check_ignore_index(ignore_index)
         self.reduction = reduction
         self.shift = shift
         self.softcap = softcap
@@ -186,7 +197,25 @@ class FusedLinearCrossEntropyLoss(nn.Module):
 # -- validation and normalisation ------------------------------------------------------------
 
 
+def _is_number(value, kind) -> bool:
+    # bool is an int to Python, but True as a softcap or an ignore_index is a mistake.
+    return isinstance(value, kind) and not isinstance(value, (bool, torch.Tensor))
+
+
+def _number_error(name, value, what):
+    return TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+
+
+def _check_ignore_index(ignore_index) -> int:
+    """``ignore_index`` as a Python int; a bool, float or tensor raises ``TypeError``."""
+    if not _is_number(ignore_index, numbers.Integral):
+        raise _number_error("ignore_index", ignore_index, "an int (e.g. -100)")
+    return int(ignore_index)
+
+
 def _check_options(reduction, backend, num_items, softcap, label_smoothing, z_loss, budget):
+    """Options of one call. Type first (``TypeError``: bools are refused for every numeric
+    option, so ``softcap=True`` cannot mean 1.0), then range (``ValueError``)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(REDUCTIONS)}")
     if backend not in backends.backend_names():
@@ -196,26 +225,58 @@ def _check_options(reduction, backend, num_items, softcap, label_smoothing, z_lo
     if num_items is not None:
         if reduction == "none":
             raise ValueError("num_items_in_batch cannot be combined with reduction='none'")
-        if isinstance(num_items, bool) or not isinstance(
-            num_items, (numbers.Integral, torch.Tensor)
-        ):
-            raise TypeError(
-                f"num_items_in_batch must be an int or a one-element tensor, "
-                f"got {type(num_items).__name__}"
-            )
-        if isinstance(num_items, torch.Tensor) and num_items.numel() != 1:
-            raise ValueError(
-                f"num_items_in_batch must hold one number, got shape {tuple(num_items.shape)}"
-            )
-    if softcap is not None and not 0 < softcap < math.inf:
-        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
+        if isinstance(num_items, torch.Tensor):
+            if num_items.numel() != 1:
+                raise ValueError(
+                    f"num_items_in_batch must hold one number, got shape "
+                    f"{tuple(num_items.shape)}"
+                )
+        elif not _is_number(num_items, numbers.Real):
+            raise _number_error("num_items_in_batch", num_items,
+                                "an int, a float or a one-element tensor")
+        elif not math.isfinite(num_items):
+            raise ValueError(f"num_items_in_batch must be finite, got {num_items}")
+    if softcap is not None:
+        if not _is_number(softcap, numbers.Real):
+            raise _number_error("softcap", softcap, "None or a number")
+        if not 0 < softcap < math.inf:
+            raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
+    if not _is_number(label_smoothing, numbers.Real):
+        raise _number_error("label_smoothing", label_smoothing, "a number")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not _is_number(z_loss, numbers.Real):
+        raise _number_error("z_loss", z_loss, "a number")
     if not 0.0 <= z_loss < math.inf:
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                               or budget < 0):
+    check_logits_budget(budget)
+
+
+def check_logits_budget(budget) -> None:
+    """``logits_budget``: None or an int >= 0 (bytes).
+
+    Raises:
+        TypeError: a bool, float or anything else that is not an int.
+        ValueError: a negative int.
+    """
+    if budget is None:
+        return
+    if not _is_number(budget, numbers.Integral):
+        raise _number_error("logits_budget", budget, "None or an int >= 0 (bytes)")
+    if budget < 0:
         raise ValueError(f"logits_budget must be None or an int >= 0 (bytes), got {budget!r}")
+
+
+def _check_real_tensors(hidden, weight, labels, bias):
+    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError("hidden and weight must be tensors")
+    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
+        if isinstance(t, torch.Tensor) and t.is_meta:
+            raise ValueError(
+                f"{name} is a meta tensor (shape only, no data): the loss needs real values. "
+                f"Load or initialise the model's weights (e.g. from_pretrained, or "
+                f"model.to_empty(device=...) and then init) before training"
+            )
 
 
 def _autocast(hidden, weight, bias):
@@ -234,8 +295,6 @@ def _autocast(hidden, weight, bias):
 
 
 def _check_tensors(hidden, weight, labels, bias):
-    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError("hidden and weight must be tensors")
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be an integer tensor, got {type(labels).__name__}")
     if weight.dim() != 2:
@@ -323,7 +382,7 @@ def _scale(reduction, num_items, n_valid, device, dtype):
                 device=device, dtype=dtype, non_blocking=device.type != "cpu"
             )
             return 1.0 / torch.where(n > 0, n, 1.0)
-        return 1.0 / num_items if num_items > 0 else 1.0
+        return 1.0 / float(num_items) if num_items > 0 else 1.0
     if reduction == "mean":
         return 1.0 / max(n_valid, 1)
     return 1.0

@@ -67,7 +67,8 @@ def resolve(name: str, device: torch.device, dtype: torch.dtype) -> Backend:
     """Choose the backend for a call on ``device`` with ``dtype``.
 
     ``"auto"`` honours ``$FUSED_CE_BACKEND`` first; otherwise it takes the highest-priority
-    backend that is importable and accepts the call, and warns once when a backend meant for
+    backend meant for ``device.type`` (its ``device_types``, or any type when empty) that is
+    importable and accepts the call, and warns once when a backend meant for
     this device type (e.g. ``triton`` for CUDA) had to be passed over.
 
     Raises:
@@ -104,6 +105,11 @@ def _auto(device: torch.device, dtype: torch.dtype) -> Backend:
     passed_over = []
     for backend in sorted(_REGISTRY.values(), key=lambda b: -b.priority):
         if not backend.auto:
+            continue
+        types = getattr(backend, "device_types", ())
+        if types and device.type not in types:
+            # A backend for another device type (e.g. triton on CPU tensors, which it accepts
+            # under TRITON_INTERPRET=1 for tests) is for explicit requests only.
             continue
         ok, why = backend.availability()
         if ok:

@@ -150,7 +150,7 @@ def report() -> tuple[str, bool]:
             pass
     checks: list[Check] = []
     out += ["", "Backends (float32). backend=\"auto\" takes $FUSED_CE_BACKEND when set, else the",
-            "highest-priority backend that can run on the device:"]
+            "highest-priority backend made for the device type that can run on it:"]
     for dev, _ in seen:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 from transformers import AutoModelForCausalLM
 
 from ..errors import UnsupportedModelError
-from .architectures import ARCHITECTURES
-from .patch import apply_fused_ce
+from .patch import apply_fused_ce, make_options
 
 _OPTIONS = {
     "fused_ce_backend": "backend",
@@ -19,13 +20,23 @@ def _pop_options(kwargs: dict) -> dict:
     return {new: kwargs.pop(old) for old, new in _OPTIONS.items() if old in kwargs}
 
 
-def _check_config(config):
-    model_type = getattr(config, "model_type", None)
-    if model_type not in ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"AutoFusedCEForCausalLM does not support model_type {model_type!r}; supported: "
-            f"{', '.join(ARCHITECTURES)}"
+def _validate(options: dict) -> None:
+    make_options(options.get("backend", "auto"), options.get("logits_budget"),
+                 options.get("return_logits", False))
+
+
+def _patch_or_warn(model, options: dict):
+    """``apply_fused_ce(model)``, or ``model`` unpatched with one warning when it cannot be."""
+    try:
+        return apply_fused_ce(model, **options)
+    except UnsupportedModelError as exc:
+        warnings.warn(
+            f"AutoFusedCEForCausalLM: loaded {type(model).__name__} without the fused loss "
+            f"(it trains with transformers' own loss): {exc}",
+            UserWarning,
+            stacklevel=3,
         )
+        return model
 
 
 class AutoFusedCEForCausalLM(AutoModelForCausalLM):
@@ -40,7 +51,11 @@ class AutoFusedCEForCausalLM(AutoModelForCausalLM):
     - ``fused_ce_return_logits``: keep real logits everywhere (default False).
 
     The patch is per instance (the class of the returned model is the ordinary transformers
-    class, e.g. ``LlamaForCausalLM``); :func:`revert_fused_ce` undoes it.
+    class, e.g. ``LlamaForCausalLM``); :func:`revert_fused_ce` undoes it. A model that
+    :func:`apply_fused_ce` cannot patch (an architecture not supported yet, a quantised head)
+    comes back unpatched, with one ``UserWarning`` saying why, so code written against this
+    class keeps working on new models (Liger's ``AutoLigerKernelForCausalLM`` convention);
+    :func:`apply_fused_ce` itself raises on such a model.
 
     Example::
 
@@ -48,23 +63,24 @@ class AutoFusedCEForCausalLM(AutoModelForCausalLM):
                                                        dtype=torch.bfloat16)
 
     Raises:
-        UnsupportedModelError: the checkpoint's architecture is not supported (raised before
-            weights load when ``from_config`` or a ``config=`` argument says so, else after).
+        ValueError, TypeError: a bad ``fused_ce_*`` option (checked before anything loads).
+
+    Warns:
+        UserWarning: the model could not be patched and is returned unpatched.
     """
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         options = _pop_options(kwargs)
-        if kwargs.get("config") is not None and not isinstance(kwargs["config"], str):
-            _check_config(kwargs["config"])
+        _validate(options)  # before any weights load
         model = AutoModelForCausalLM.from_pretrained(
             pretrained_model_name_or_path, *model_args, **kwargs
         )
-        return apply_fused_ce(model, **options)
+        return _patch_or_warn(model, options)
 
     @classmethod
     def from_config(cls, config, **kwargs):
         options = _pop_options(kwargs)
-        _check_config(config)
+        _validate(options)
         model = AutoModelForCausalLM.from_config(config, **kwargs)
-        return apply_fused_ce(model, **options)
+        return _patch_or_warn(model, options)

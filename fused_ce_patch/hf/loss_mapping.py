@@ -1,4 +1,4 @@
-"""The ``LOSS_MAPPING`` replacement: transformers' causal-LM loss without the float32 logits copy.
+"""Patched models' logits loss: transformers' causal-LM loss without the float32 logits copy.
 
 When a model does materialise its logits (evaluation, ``return_logits=True``, a custom head),
 transformers computes the loss with ``ForCausalLMLoss``, whose first line is
@@ -7,24 +7,25 @@ of the logits. :func:`chunked_causal_lm_loss` computes the same value and gradie
 chunks: forward keeps one float32 log-sum-exp per row; backward recomputes the softmax chunk by
 chunk and writes the gradient in the logits' dtype.
 
-Registration (:func:`register` / :func:`unregister`) swaps every ``LOSS_MAPPING`` value that
-*is* ``ForCausalLMLoss`` (``ForCausalLM``, ``ForConditionalGeneration``,
-``CsmForConditionalGeneration`` on 5.24) and restores the exact original objects.
+Routing: the chunked loss reaches only patched models, never through ``LOSS_MAPPING``.
+``apply_fused_ce`` gives the instance its own ``loss_function`` (:func:`install_instance_loss`,
+transformers' setter, i.e. ``model._loss_function``, which ``PreTrainedModel.loss_function``
+returns before looking in ``LOSS_MAPPING`` on 5.17 and 5.24); a class patch
+(``apply_fused_ce_to_<arch>()``) puts a ``loss_function`` property on that class only
+(:func:`route_class`). ``LOSS_MAPPING`` and the ``ForCausalLMLoss`` names stay transformers'
+own objects, so a never-patched model, before, during or after a patch, computes exactly the
+stock loss (NaN for an all-ignored mean, ``IndexError`` for a label >= V).
 
-The Trainer identity pitfall: ``Trainer.__init__`` decides how it counts ``num_items_in_batch``
-with ``LOSS_MAPPING.get(model.loss_type) is ForCausalLMLoss`` (``transformers/trainer.py``,
-``_loss_shifts_labels``), where ``ForCausalLMLoss`` is the name ``trainer.py`` imported. With
-only the mapping swapped that test turns False, and the Trainer counts ``labels`` instead of
-``labels[..., 1:]``: one token too many per row, a loss scaled too small. So while registered
-the replacement also takes the name ``ForCausalLMLoss`` in ``transformers.loss.loss_utils`` (so a
-``transformers.trainer`` imported later binds it) and in ``transformers.trainer`` (if already
-imported): the identity test stays true, and stays correct, since the replacement shifts labels
-exactly as ``ForCausalLMLoss`` does.
+The Trainer identity test stays true for the same reason: ``Trainer.__init__`` decides how it
+counts ``num_items_in_batch`` with ``LOSS_MAPPING.get(model.loss_type) is ForCausalLMLoss``
+(``transformers/trainer.py``, ``_loss_shifts_labels``); it looks at the mapping and the class's
+``loss_type``, not at ``model.loss_function``, and both are untouched, so it counts
+``labels[..., 1:]`` as it does for the stock model (and the chunked loss shifts exactly as
+``ForCausalLMLoss`` does).
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import torch
@@ -153,10 +154,7 @@ def chunked_causal_lm_loss(
     return _LogitsCrossEntropy.apply(flat, target, scale, chunk_rows)
 
 
-# -- registration ----------------------------------------------------------------------------
-
-_LOCK = threading.Lock()
-_saved: dict | None = None  # what register() replaced, to restore exactly
+# -- routing: which models use the chunked loss -------------------------------------------
 
 
 def _loss_utils():
@@ -166,63 +164,122 @@ def _loss_utils():
 
 
 def original_causal_lm_loss():
-    """transformers' own ``ForCausalLMLoss`` (also while the replacement is registered)."""
-    if _saved is not None:
-        return _saved["original"]
+    """transformers' own ``ForCausalLMLoss`` (fused_ce_patch never replaces it)."""
     return _loss_utils().ForCausalLMLoss
 
 
-def is_registered() -> bool:
-    return _saved is not None
+class InstanceLoss:
+    """:func:`chunked_causal_lm_loss` as one patched model's own ``loss_function``.
 
-
-def register() -> None:
-    """Put :func:`chunked_causal_lm_loss` wherever ``ForCausalLMLoss`` is looked up.
-
-    Every ``LOSS_MAPPING`` key whose value is ``ForCausalLMLoss``, and the module-level name
-    ``ForCausalLMLoss`` in ``transformers.loss.loss_utils`` and ``transformers.trainer`` (see
-    the module docstring for why). Idempotent.
+    Installed by ``apply_fused_ce`` through transformers' ``loss_function`` setter (the
+    instance's ``_loss_function``, read before ``LOSS_MAPPING`` by
+    ``PreTrainedModel.loss_function`` on 5.17 and 5.24), so no other model sees it. Copies share
+    it; pickling stores the loss the model had before the patch, or transformers'
+    ``ForCausalLMLoss`` when it had none of its own (the unpickled model is unpatched, see
+    ``_InstanceState.__reduce__``).
     """
-    global _saved
-    with _LOCK:
-        if _saved is not None:
-            return
-        loss_utils = _loss_utils()
-        original = loss_utils.ForCausalLMLoss
-        mapping = loss_utils.LOSS_MAPPING
-        keys = [k for k, v in mapping.items() if v is original]
-        saved = {"original": original, "keys": keys, "trainer": False}
-        for key in keys:
-            mapping[key] = chunked_causal_lm_loss
-        loss_utils.ForCausalLMLoss = chunked_causal_lm_loss
-        trainer = sys.modules.get("transformers.trainer")
-        if trainer is not None and getattr(trainer, "ForCausalLMLoss", None) is original:
-            trainer.ForCausalLMLoss = chunked_causal_lm_loss
-            saved["trainer"] = True
-        _saved = saved
+
+    __slots__ = ("previous",)
+
+    def __init__(self, previous):
+        self.previous = previous  # the instance's own loss before the patch, or None (class's)
+
+    def __call__(self, *args, **kwargs):
+        return chunked_causal_lm_loss(*args, **kwargs)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        if self.previous is None:
+            return (original_causal_lm_loss, ())
+        return (_same, (self.previous,))
+
+    def __repr__(self):
+        return "<fused_ce_patch chunked causal-LM loss>"
 
 
-def unregister() -> None:
-    """Restore the exact objects :func:`register` replaced. Idempotent."""
-    global _saved
-    with _LOCK:
-        if _saved is None:
-            return
-        loss_utils = _loss_utils()
-        original = _saved["original"]
-        mapping = loss_utils.LOSS_MAPPING
-        for key in _saved["keys"]:
-            if mapping.get(key) is chunked_causal_lm_loss:
-                mapping[key] = original
-        if loss_utils.ForCausalLMLoss is chunked_causal_lm_loss:
-            loss_utils.ForCausalLMLoss = original
-        # Also covers a transformers.trainer imported after register(), which bound our name.
-        trainer = sys.modules.get("transformers.trainer")
-        if getattr(trainer, "ForCausalLMLoss", None) is chunked_causal_lm_loss:
-            trainer.ForCausalLMLoss = original
-        _saved = None
+def _same(value):
+    return value
 
 
 def is_causal_lm_loss(fn) -> bool:
-    """True for ``ForCausalLMLoss`` and its replacement (the fused loss computes both)."""
-    return fn is chunked_causal_lm_loss or fn is original_causal_lm_loss()
+    """True for ``ForCausalLMLoss`` and the chunked loss (the fused loss computes both)."""
+    return (
+        fn is chunked_causal_lm_loss
+        or isinstance(fn, InstanceLoss)
+        or fn is original_causal_lm_loss()
+    )
+
+
+def install_instance_loss(model):
+    """Give ``model`` the chunked loss as its own ``loss_function``; returns what to revert.
+
+    Only when its current loss is the causal-LM loss (a custom loss is left alone). Returns the
+    installed :class:`InstanceLoss`, or None when nothing was installed.
+    """
+    if not is_causal_lm_loss(model.loss_function):
+        return None
+    current = model.__dict__.get("_loss_function")
+    if isinstance(current, InstanceLoss):
+        return current
+    installed = InstanceLoss(current)
+    model.__dict__["_loss_function"] = installed
+    return installed
+
+
+def remove_instance_loss(model, installed) -> None:
+    """Undo :func:`install_instance_loss` unless the user set another loss since."""
+    if installed is None or model.__dict__.get("_loss_function") is not installed:
+        return
+    if installed.previous is None:
+        del model.__dict__["_loss_function"]
+    else:
+        model.__dict__["_loss_function"] = installed.previous
+
+
+_CLASS_LOCK = threading.Lock()
+_routed_classes: dict = {}  # class -> what its __dict__ held under "loss_function" (or None)
+
+
+def route_class(cls) -> None:
+    """Make instances of the class-patched ``cls`` use the chunked loss by default.
+
+    Puts a ``loss_function`` property on ``cls`` itself that returns the chunked loss where the
+    inherited property would return ``ForCausalLMLoss`` and the instance has no loss of its own
+    (set through the setter); everything else, and every other class, is untouched.
+    Idempotent; :func:`unroute_class` restores the class exactly.
+    """
+    with _CLASS_LOCK:
+        if cls in _routed_classes:
+            return
+        inherited = next(k.__dict__["loss_function"] for k in cls.__mro__
+                         if "loss_function" in k.__dict__)
+
+        def loss_function(self):
+            fn = inherited.__get__(self, type(self))
+            if "_loss_function" not in self.__dict__ and fn is original_causal_lm_loss():
+                return chunked_causal_lm_loss
+            return fn
+
+        def set_loss_function(self, value):
+            inherited.__set__(self, value)
+
+        _routed_classes[cls] = cls.__dict__.get("loss_function")
+        cls.loss_function = property(loss_function, set_loss_function,
+                                     doc=getattr(inherited, "__doc__", None))
+
+
+def unroute_class(cls) -> None:
+    """Undo :func:`route_class`. Idempotent."""
+    with _CLASS_LOCK:
+        if cls not in _routed_classes:
+            return
+        own = _routed_classes.pop(cls)
+        if own is None:
+            del cls.loss_function
+        else:
+            cls.loss_function = own

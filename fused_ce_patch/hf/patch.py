@@ -7,9 +7,10 @@
 - ``apply_fused_ce_to_<arch>()`` patch the architecture class itself (every instance, like
   Liger's ``apply_liger_kernel_to_<arch>``); :func:`revert_fused_ce` given the class undoes it.
 
-While any patch is active, ``LOSS_MAPPING``'s causal-LM entries point at
-:func:`~fused_ce_patch.hf.loss_mapping.chunked_causal_lm_loss`; reverting the last patch
-restores the original objects.
+A patched model (or a patched class's instances) computes a materialised-logits loss with
+:func:`~fused_ce_patch.hf.loss_mapping.chunked_causal_lm_loss` through its own
+``loss_function``; transformers' ``LOSS_MAPPING`` is never changed (see
+:mod:`~fused_ce_patch.hf.loss_mapping`), so nothing outside what was patched notices a patch.
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ class _Missing:
 
 
 _MISSING = _Missing()
+
+
+class _NoOwner:
+    """Stands in for the owner of a state deep-copied without its model."""
+
+
+_NO_OWNER = _NoOwner()
 _PATCHED_INSTANCES: weakref.WeakSet = weakref.WeakSet()
 _PATCHED_CLASSES: set = set()
 
@@ -76,20 +84,30 @@ def _unpickled_state():
 
 
 class _InstanceState:
-    __slots__ = ("options", "slot", "previous", "installed", "__weakref__")
+    __slots__ = ("options", "slot", "previous", "installed", "loss", "owner", "__weakref__")
 
-    def __init__(self, options, slot, previous, installed):
+    def __init__(self, options, slot, previous, installed, loss, owner):
         self.options = options
         self.slot = slot  # "forward", or "_old_forward" under accelerate dispatch hooks
         self.previous = previous  # what was in the instance __dict__ under `slot` before
         self.installed = installed  # what apply_fused_ce put there
+        self.loss = loss  # the InstanceLoss put in `_loss_function`, or None
+        self.owner = weakref.ref(owner)
 
     def __deepcopy__(self, memo):
-        # The copied model's bound methods are rebound to the copy through `memo`.
-        return _InstanceState(
+        # The copied model's bound methods are rebound to the copy through `memo`; the copy is
+        # already in `memo` (copy._reconstruct registers it before copying its __dict__), so it
+        # is tracked like the original and `revert_fused_ce()` reaches it.
+        owner = self.owner()
+        clone = memo.get(id(owner)) if owner is not None else None
+        state = _InstanceState(
             copy.deepcopy(self.options, memo), self.slot,
             copy.deepcopy(self.previous, memo), copy.deepcopy(self.installed, memo),
+            self.loss, clone if isinstance(clone, nn.Module) else _NO_OWNER,
         )
+        if isinstance(clone, nn.Module):
+            _PATCHED_INSTANCES.add(clone)
+        return state
 
     def __reduce__(self):
         # pickle stores a bound method by name, so the patched forward comes back as the stock
@@ -99,15 +117,11 @@ class _InstanceState:
 
 def make_options(backend, logits_budget, return_logits) -> FusedCEOptions:
     from ..backends import backend_names
+    from ..loss import check_logits_budget
 
     if backend not in backend_names():
         raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(backend_names())}")
-    if logits_budget is not None and (
-        isinstance(logits_budget, bool) or not isinstance(logits_budget, int) or logits_budget < 0
-    ):
-        raise ValueError(
-            f"logits_budget must be None or an int >= 0 (bytes), got {logits_budget!r}"
-        )
+    check_logits_budget(logits_budget)
     return FusedCEOptions(backend=backend, logits_budget=logits_budget,
                           return_logits=bool(return_logits))
 
@@ -249,8 +263,9 @@ def apply_fused_ce(
         backend: backend of :func:`~fused_ce_patch.fused_linear_cross_entropy`.
         logits_budget: bytes of transient logits one chunk may hold (None: backend default).
         return_logits: keep the stock path everywhere (real logits; no memory saving) while
-            still using the chunked ``LOSS_MAPPING`` loss. ``$FUSED_CE_RETURN_LOGITS=1`` does
-            the same for every patched model, read at each call.
+            still computing that loss with the chunked logits loss.
+            ``$FUSED_CE_RETURN_LOGITS=1`` does the same for every patched model, read at
+            each call.
 
     Returns:
         ``model`` itself (patched in place). Applying again is a no-op apart from taking the
@@ -260,7 +275,8 @@ def apply_fused_ce(
         UnsupportedModelError: unsupported architecture or head (lists what is supported; DoRA
             or other PEFT tuners on lm_head, quantised heads), a subclass that overrides the
             stock forward, or an instance forward replaced by something else.
-        ValueError: unknown backend or bad ``logits_budget``.
+        ValueError: unknown backend or a negative ``logits_budget``.
+        TypeError: ``logits_budget`` not an int (a bool or a float).
     """
     options = make_options(backend, logits_budget, return_logits)
     target = unwrap_causal_lm(model)
@@ -306,9 +322,9 @@ def apply_fused_ce(
                 f"{lib}'s forward patch off (Liger: fused_linear_cross_entropy=False)."
             )
     target.__dict__[slot] = installed
-    target.__dict__[STATE_ATTR] = _InstanceState(options, slot, previous, installed)
+    loss = loss_mapping.install_instance_loss(target)
+    target.__dict__[STATE_ATTR] = _InstanceState(options, slot, previous, installed, loss, target)
     _PATCHED_INSTANCES.add(target)
-    loss_mapping.register()
     if "trl" in sys.modules:
         from . import trl as trl_routing
 
@@ -326,11 +342,11 @@ def revert_fused_ce(model=None):
     Returns:
         ``model``. Reverting something not patched is a no-op.
 
-    The exact objects found at apply time come back: the instance's ``forward`` entry (or its
-    absence), the class's ``forward``, and, once no patch is left, the ``LOSS_MAPPING`` entries
-    and ``ForCausalLMLoss`` names. If accelerate wrapped the patched forward after
-    :func:`apply_fused_ce`, its wrapper stays in place but the patched forward inside it now
-    behaves exactly as the stock forward.
+    The exact objects found at apply time come back: the instance's ``forward`` and
+    ``loss_function`` entries (or their absence), the class's ``forward`` and
+    ``loss_function``. Deep copies of a patched model are patched and tracked too. If
+    accelerate wrapped the patched forward after :func:`apply_fused_ce`, its wrapper stays in
+    place but the patched forward inside it now behaves exactly as the stock forward.
     """
     if model is None:
         for inst in list(_PATCHED_INSTANCES):
@@ -341,8 +357,6 @@ def revert_fused_ce(model=None):
         _revert_class(model)
     else:
         _revert_instance(unwrap_causal_lm(model))
-    if not _PATCHED_INSTANCES and not _PATCHED_CLASSES:
-        loss_mapping.unregister()
     if not _PATCHED_INSTANCES and "fused_ce_patch.hf.trl" in sys.modules:
         sys.modules["fused_ce_patch.hf.trl"].release()
     return model
@@ -353,6 +367,7 @@ def _revert_instance(target):
     _PATCHED_INSTANCES.discard(target)
     if state is None:
         return
+    loss_mapping.remove_instance_loss(target, state.loss)
     if target.__dict__.get(state.slot, _MISSING) is state.installed:
         if state.previous is _MISSING:
             del target.__dict__[state.slot]
@@ -367,6 +382,7 @@ def _revert_instance(target):
 
 
 def _revert_class(cls):
+    loss_mapping.unroute_class(cls)  # even if someone replaced the patched forward since
     current = cls.__dict__.get("forward")
     if current is None or not is_patched_forward(current):
         return
@@ -424,7 +440,7 @@ def _apply_to_class(model_type: str, model, backend, logits_budget, return_logit
     if current is not patched:
         cls.forward = patched
     _PATCHED_CLASSES.add(cls)
-    loss_mapping.register()
+    loss_mapping.route_class(cls)
     return None
 
 
@@ -445,7 +461,8 @@ _CLASS_DOC = """Patch every {cls} (model_type ``{mt}``) to use the fused loss{ex
 
     Raises:
         UnsupportedModelError: ``model`` is not a {cls}.
-        ValueError: unknown backend or bad ``logits_budget``.
+        ValueError: unknown backend or a negative ``logits_budget``.
+        TypeError: ``logits_budget`` not an int (a bool or a float).
     """
 
 

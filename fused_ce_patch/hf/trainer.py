@@ -23,8 +23,9 @@ The callback patches the model in ``on_init_end`` — the end of ``Trainer.__ini
 ``Trainer.train`` runs ``accelerate.prepare``, whose native mixed-precision wrapper binds
 ``model.forward`` at prepare time (accelerate 1.x ``Accelerator.prepare_model``). Token
 counting stays exact: ``Trainer.__init__`` has already decided how to count
-``num_items_in_batch`` by then. Calling ``apply_fused_ce(model)`` before building the Trainer
-is equivalent. Evaluation with ``prediction_loss_only`` (no ``compute_metrics``) computes the
+``num_items_in_batch`` by then, and the patch leaves ``LOSS_MAPPING`` untouched, so that
+decision is the stock one anyway (see :mod:`fused_ce_patch.hf.loss_mapping`). Calling
+``apply_fused_ce(model)`` before building the Trainer is equivalent. Evaluation with ``prediction_loss_only`` (no ``compute_metrics``) computes the
 loss on the fused path without logits, through the ``skip_logits=True`` keyword that Trainer
 passes for Liger (``Trainer.prediction_step``); whenever predictions or metrics need logits they
 are real.
@@ -36,8 +37,9 @@ With ``model_init`` (a fresh model per ``train()``), Trainer re-creates the mode
 TRL: see :mod:`fused_ce_patch.hf.trl`. Every TRL generation computes with fused_ce_patch once
 the model is patched (flag, callback or ``apply_fused_ce``): trl >= 1.15's fused LM head and
 trl 1.6-1.14's ``chunked_nll`` forward call our kernel for patched models, with TRL's own loss
-and metrics; with ``loss_type="nll"`` (the default up to trl 1.6) the callback turns TRL's
-logits-based metrics into ones computed from our per-token outputs.
+and metrics; with ``loss_type="nll"`` (the default up to trl 1.6, whose metrics read logits)
+the callback gives the trainer TRL's own chunked head, routed to our kernel, so the loss and
+both metrics come without logits.
 
 Do not combine with Liger's fused linear cross-entropy (``use_liger_kernel=True`` with its
 default config): it replaces the same forward at ``train()`` time.

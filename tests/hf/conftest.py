@@ -25,10 +25,15 @@ def logits_loss_spy(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _clean_patches(monkeypatch):
-    """Every test starts and ends with nothing patched and LOSS_MAPPING pristine."""
+    """Every test ends with nothing patched; no test may change LOSS_MAPPING at all."""
+    import transformers.loss.loss_utils as loss_utils
+
     from fused_ce_patch import revert_fused_ce
 
+    before = dict(loss_utils.LOSS_MAPPING), loss_utils.ForCausalLMLoss
     monkeypatch.delenv("FUSED_CE_RETURN_LOGITS", raising=False)
     yield
     revert_fused_ce()
-    assert not loss_mapping.is_registered()
+    mapping, name = dict(loss_utils.LOSS_MAPPING), loss_utils.ForCausalLMLoss
+    assert name is before[1] and mapping.keys() == before[0].keys()
+    assert all(mapping[k] is v for k, v in before[0].items())

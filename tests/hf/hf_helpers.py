@@ -2,8 +2,8 @@
 
 Every architecture gets a tiny random config (CPU, float32, vocab 1003 — prime, so no chunk
 divides it). A test compares a patched model with an unpatched copy holding identical weights
-whose loss is transformers' own ``ForCausalLMLoss`` (set on the instance, so the global
-``LOSS_MAPPING`` replacement cannot leak into the reference), after a spy has shown which path
+whose loss is transformers' own ``ForCausalLMLoss`` (set on the instance, so a class patch's
+loss routing cannot reach the reference), after a spy has shown which path
 each model took.
 
 Tolerances (stated once): loss relative error 1e-5, gradients and weights 1e-4, as the
@@ -152,7 +152,7 @@ class Spy:
 
 
 class LogitsLossSpy:
-    """Counts calls of the chunked LOSS_MAPPING replacement's autograd function."""
+    """Counts calls of the chunked logits loss's autograd function."""
 
     def __init__(self, fn_cls):
         self.count = 0

@@ -1,12 +1,20 @@
-"""The LOSS_MAPPING replacement and the Trainer's token-count identity check."""
+"""The chunked logits loss, its per-model routing, and the Trainer's token-count check."""
 
 from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import weakref
 
 import pytest
 import torch
 import transformers.loss.loss_utils as loss_utils
 
+from transformers import LlamaForCausalLM
+
 from fused_ce_patch import apply_fused_ce, apply_fused_ce_to_llama, revert_fused_ce
+from fused_ce_patch.hf.patch import _PATCHED_INSTANCES, is_fused_ce_applied
 from fused_ce_patch.hf import loss_mapping
 from fused_ce_patch.hf.loss_mapping import chunked_causal_lm_loss
 from hf_helpers import VOCAB, assert_close_rel, batch, build_model, shifted
@@ -18,41 +26,111 @@ def _snapshot():
     return dict(loss_utils.LOSS_MAPPING)
 
 
-def test_identity_before_after_revert(tmp_path):
+def _assert_pristine(before):
     import transformers.trainer as trainer_mod
 
-    before = _snapshot()
-    aliased = [k for k, v in before.items() if v is ORIGINAL]
-    assert "ForCausalLM" in aliased and "ForConditionalGeneration" in aliased
-    assert trainer_mod.ForCausalLMLoss is ORIGINAL
-
-    model = build_model("llama")
-    apply_fused_ce(model)
     after = _snapshot()
-    for key, value in before.items():
-        if key in aliased:
-            assert after[key] is chunked_causal_lm_loss, key
-        else:
-            assert after[key] is value, key
-    assert loss_utils.ForCausalLMLoss is chunked_causal_lm_loss
-    assert trainer_mod.ForCausalLMLoss is chunked_causal_lm_loss
-    assert model.loss_function is chunked_causal_lm_loss
-
-    # A second patch keeps the registration; only the last revert restores.
-    other = build_model("llama", seed=1)
-    apply_fused_ce(other)
-    revert_fused_ce(model)
-    assert loss_utils.LOSS_MAPPING["ForCausalLM"] is chunked_causal_lm_loss
-    revert_fused_ce(other)
-    restored = _snapshot()
-    assert restored.keys() == before.keys()
-    assert all(restored[k] is before[k] for k in before)
+    assert after.keys() == before.keys()
+    assert all(after[k] is v for k, v in before.items())
     assert loss_utils.ForCausalLMLoss is ORIGINAL and trainer_mod.ForCausalLMLoss is ORIGINAL
 
+
+def test_patches_never_touch_loss_mapping():
+    before = _snapshot()
+    model = build_model("llama")
+    apply_fused_ce(model)
+    _assert_pristine(before)
+    assert isinstance(model.loss_function, loss_mapping.InstanceLoss)
+    assert "_loss_function" in model.__dict__
+    revert_fused_ce(model)
+    assert "_loss_function" not in model.__dict__ and model.loss_function is ORIGINAL
+
     apply_fused_ce_to_llama()
-    assert loss_utils.LOSS_MAPPING["ForCausalLM"] is chunked_causal_lm_loss
+    _assert_pristine(before)
+    assert "loss_function" in LlamaForCausalLM.__dict__
+    assert build_model("llama").loss_function is chunked_causal_lm_loss
+    assert build_model("qwen2").loss_function is ORIGINAL  # another class: untouched
+    revert_fused_ce(LlamaForCausalLM)
+    assert "loss_function" not in LlamaForCausalLM.__dict__
+    _assert_pristine(before)
+
+
+def _stock_behaviour(model):
+    """What a never-patched model's stock loss does with two inputs the fused loss treats
+    differently: NaN for an all-ignored batch, IndexError for a label >= V."""
+    model.eval()
+    b = batch()
+    with torch.no_grad():
+        loss = model(input_ids=b["input_ids"], labels=torch.full_like(b["labels"], -100)).loss
+        bad = b["labels"].clone()
+        bad[0, 5] = VOCAB
+        try:
+            model(input_ids=b["input_ids"], labels=bad)
+            raised = None
+        except Exception as exc:  # noqa: BLE001 - the type is what is compared
+            raised = type(exc)
+    model.train()
+    return bool(torch.isnan(loss)), raised
+
+
+@pytest.mark.parametrize("how", ["instance", "class", "gc"])
+def test_never_patched_model_keeps_stock_behaviour(how, logits_loss_spy):
+    # Regression (issue 9, 3a): a patch used to swap LOSS_MAPPING process-wide until an explicit
+    # revert, also after the patched model was garbage-collected.
+    other = build_model("qwen2" if how == "class" else "llama", seed=2)
+    stock = _stock_behaviour(other)
+    assert stock == (True, IndexError)
+    patched = build_model("llama")
+    if how == "class":
+        apply_fused_ce_to_llama()
+    else:
+        apply_fused_ce(patched)
+    assert _stock_behaviour(other) == stock
+    assert logits_loss_spy.count == 0
+    # The patched model itself does use the chunked loss on its stock (eval) path.
+    patched.eval()
+    with torch.no_grad():
+        patched(**batch())
+    assert logits_loss_spy.count == 1
+    if how == "gc":
+        ref = weakref.ref(patched)
+        del patched
+        gc.collect()
+        assert ref() is None and not _PATCHED_INSTANCES
+    assert _stock_behaviour(other) == stock and logits_loss_spy.count == 1
+    assert _stock_behaviour(build_model("qwen2" if how == "class" else "llama", seed=3)) == stock
+
+
+def test_class_patch_keeps_an_instance_own_loss(logits_loss_spy):
+    model = build_model("llama")
+    custom = loss_utils.ForCausalLMLoss
+    model.loss_function = custom  # the instance's explicit choice wins over the class patch
+    apply_fused_ce_to_llama()
+    assert model.loss_function is custom
+    model.loss_function = chunked_causal_lm_loss  # the setter still works under the patch
+    assert model.__dict__["_loss_function"] is chunked_causal_lm_loss
+
+
+def test_deepcopy_is_tracked_and_reverted():
+    # Regression (issue 9, 3b): the copy was patched but revert_fused_ce() did not reach it.
+    model = build_model("llama")
+    apply_fused_ce(model)
+    clone = copy.deepcopy(model)
+    assert is_fused_ce_applied(clone) and clone in _PATCHED_INSTANCES
+    assert clone.__dict__["_loss_function"] is model.__dict__["_loss_function"]
     revert_fused_ce()
-    assert all(loss_utils.LOSS_MAPPING[k] is before[k] for k in before)
+    for m in (model, clone):
+        assert not is_fused_ce_applied(m)
+        assert "forward" not in m.__dict__ and "_loss_function" not in m.__dict__
+    assert isinstance(clone(**batch()).logits, torch.Tensor)
+
+
+def test_pickle_restores_the_stock_loss():
+    model = build_model("llama")
+    apply_fused_ce(model)
+    clone = pickle.loads(pickle.dumps(model))
+    assert not is_fused_ce_applied(clone) and clone.loss_function is ORIGINAL
+    assert _stock_behaviour(clone) == (True, IndexError)
 
 
 def _trainer(model, tmp_path):
@@ -63,22 +141,18 @@ def _trainer(model, tmp_path):
     return Trainer(model=model, args=args)
 
 
-def test_trainer_counts_shifted_labels_when_patched_before_init(tmp_path):
-    import transformers.trainer as trainer_mod
-
+@pytest.mark.parametrize("how", ["instance", "class"])
+def test_trainer_counts_shifted_labels_when_patched_before_init(how, tmp_path):
     model = build_model("llama")
-    apply_fused_ce(model)  # registered before Trainer.__init__: the pitfall case
+    if how == "class":
+        apply_fused_ce_to_llama()
+    else:
+        apply_fused_ce(model)  # patched before Trainer.__init__: the identity pitfall case
     trainer = _trainer(model, tmp_path)
     assert trainer._loss_shifts_labels is True
     b = batch()
     expected = int((b["labels"][..., 1:] != -100).sum())
     assert int(trainer._get_num_items_in_batch([b], torch.device("cpu"))) == expected
-
-    # Why the module-level name matters: with only LOSS_MAPPING swapped, Trainer would count
-    # the unshifted labels (one token too many per row).
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer_mod, "ForCausalLMLoss", ORIGINAL)
-        assert _trainer(model, tmp_path)._loss_shifts_labels is False
 
 
 def _cases():
@@ -173,3 +247,27 @@ def test_num_items_in_batch_divides_exactly(n):
     got = chunked_causal_lm_loss(logits, labels, VOCAB, num_items_in_batch=n)
     ref = ORIGINAL(logits, labels, VOCAB, num_items_in_batch=n)
     assert_close_rel(got, ref, 1e-5, f"num_items={n!r}")
+
+
+def test_peft_wrapped_patch_is_routed_on_the_base_model_only(logits_loss_spy):
+    peft = pytest.importorskip("peft")
+    base = build_model("llama")
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    other = build_model("llama", seed=2)
+    apply_fused_ce(wrapped)
+    assert isinstance(base.__dict__["_loss_function"], loss_mapping.InstanceLoss)
+    assert _stock_behaviour(other) == (True, IndexError) and logits_loss_spy.count == 0
+    revert_fused_ce(wrapped)
+    assert "_loss_function" not in base.__dict__ and base.loss_function is ORIGINAL
+
+
+def test_class_patched_eval_loss_equals_stock(logits_loss_spy):
+    model = build_model("llama").eval()
+    b = batch()
+    with torch.no_grad():
+        want = model(**b).loss
+    apply_fused_ce_to_llama()
+    with torch.no_grad():
+        got = model(**b).loss
+    assert logits_loss_spy.count == 1
+    assert_close_rel(got, want, 1e-6, "eval loss")

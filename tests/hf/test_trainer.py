@@ -83,7 +83,7 @@ def test_gradient_accumulation_matches_stock_and_big_batch(tmp_path, spy):
     ref_trainer = train(ref, tmp_path / "ref", 1, 4)
     assert spy.count == 0
 
-    # Patched before Trainer.__init__: the LOSS_MAPPING identity pitfall case.
+    # Patched before Trainer.__init__: the LOSS_MAPPING identity pitfall case (must stay true).
     apply_fused_ce(accumulated)
     acc_trainer = train(accumulated, tmp_path / "acc", 1, 4)
     assert acc_trainer._loss_shifts_labels is True
