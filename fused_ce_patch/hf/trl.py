@@ -231,15 +231,27 @@ def convert_nll_sft_trainer(trainer, target) -> object | None:
 
     Returns what the instance held under ``forward`` before (for revert), or None when the
     trainer needs nothing (not an SFTTrainer, another loss type, Liger, a custom loss, a PEFT
-    adapter on lm_head, or a TRL without the chunked head — then TRL's metrics need
-    ``return_logits=True``).
+    adapter on lm_head) or cannot have it (a TRL without the chunked head, or
+    ``compute_metrics`` that needs eval logits: then one warning says TRL's training metrics
+    need ``return_logits=True``).
     """
     module = sys.modules.get("trl.trainer.sft_trainer")
     patch_head = getattr(module, "_patch_chunked_ce_lm_head", None)
     args = trainer.args
-    if (patch_head is None or not _is_sft_trainer(trainer)
-            or getattr(args, "loss_type", None) != "nll" or args.use_liger_kernel
-            or trainer.compute_loss_func is not None or trainer.label_smoother is not None):
+    if is_trl_head_forward(target.__dict__.get("forward")):
+        return None  # TRL's own head is already there (trl >= 1.15, or chunked_nll)
+    if (not _is_sft_trainer(trainer) or getattr(args, "loss_type", "nll") != "nll"
+            or args.use_liger_kernel or trainer.compute_loss_func is not None
+            or trainer.label_smoother is not None):
+        return None
+    if patch_head is None or trainer.compute_metrics is not None \
+            or trainer.preprocess_logits_for_metrics is not None:
+        # TRL's chunked head returns no logits, which compute_metrics would need
+        logger.warning(
+            "fused_ce_patch: this SFTTrainer (loss_type='nll') computes its entropy and "
+            "mean_token_accuracy from outputs.logits, which the fused path does not build; "
+            "pass FusedCECallback(return_logits=True) (or use_fused_ce with "
+            "fused_ce_return_logits=True) to keep them, or drop compute_metrics")
         return None
     head = target.get_output_embeddings()
     if "peft" in sys.modules and isinstance(

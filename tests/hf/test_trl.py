@@ -213,3 +213,95 @@ def test_grpo_step_with_our_kernel(tmp_path, token_spy):
     trainer = _grpo(load(), tmp_path / "o", [FusedCECallback()])
     assert token_spy.count > 0
     _assert_same_logs(_history(trainer, GRPO_KEYS), want, GRPO_KEYS)
+
+
+def _kto(model, ref, tmp_path, callbacks=()):
+    rows = _dpo_rows()
+    data = [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
+            for r in rows for k in ("chosen", "rejected")]
+    args = trl.KTOConfig(**{**_common(tmp_path), "max_steps": 1,
+                            "per_device_train_batch_size": 4})
+    trainer = trl.KTOTrainer(model=model, ref_model=ref, args=args,
+                             train_dataset=datasets.Dataset.from_list(data),
+                             processing_class=_tokenizer(), callbacks=list(callbacks))
+    trainer.train()
+    return trainer
+
+
+KTO_KEYS = ["loss", "kl", "entropy", "logps/chosen", "logps/rejected"]
+
+
+@pytest.mark.skipif(not HAS_FUSED_HEAD, reason="KTO computes from logits before trl 1.15")
+def test_kto_step_with_our_kernel(tmp_path, token_spy):
+    init = build_model("llama")
+    want = _history(_kto(reference_copy(init), reference_copy(init), tmp_path / "s"), KTO_KEYS)
+    assert token_spy.count == 0
+    trainer = _kto(reference_copy(init), reference_copy(init), tmp_path / "o",
+                   [FusedCECallback()])
+    assert token_spy.count > 0
+    keys = [k for k in KTO_KEYS if k in want]
+    assert "loss" in keys and "kl" in keys
+    _assert_same_logs(_history(trainer, keys), want, keys)
+
+
+@pytest.mark.skipif(not HAS_FUSED_HEAD, reason="RLOO computes from logits before trl 1.15")
+def test_rloo_step_with_our_kernel(tmp_path, token_spy):
+    from transformers import AutoModelForCausalLM
+
+    build_model("llama").save_pretrained(tmp_path / "init")
+
+    def run(out, callbacks=()):
+        def reward(completions, **kwargs):
+            return [float(len(c)) for c in completions]
+
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "init", dtype=torch.float32)
+        args = trl.RLOOConfig(**{**_common(out), "max_steps": 1, "num_generations": 2,
+                                 "max_completion_length": 4, "generation_batch_size": 2,
+                                 "beta": 0.1})
+        torch.manual_seed(0)
+        trainer = trl.RLOOTrainer(model=model, reward_funcs=reward, args=args,
+                                  train_dataset=datasets.Dataset.from_list(
+                                      [{"prompt": "t5 t6 t7"}, {"prompt": "t8 t9"}]),
+                                  processing_class=_tokenizer(), callbacks=list(callbacks))
+        trainer.train()
+        return trainer
+
+    keys = ["loss", "entropy", "kl"]
+    want = _history(run(tmp_path / "s"), keys)
+    trainer = run(tmp_path / "o", [FusedCECallback()])
+    assert token_spy.count > 0
+    _assert_same_logs(_history(trainer, keys), want, keys)
+
+
+def test_sft_evaluate_loss_and_metrics_match_stock(tmp_path, token_spy):
+    init = build_model("llama")
+
+    def run(model, out, callbacks=()):
+        args = trl.SFTConfig(**{**_common(out), "per_device_eval_batch_size": 2})
+        trainer = trl.SFTTrainer(model=model, args=args,
+                                 train_dataset=datasets.Dataset.from_list(_sft_rows()),
+                                 eval_dataset=datasets.Dataset.from_list(_sft_rows()),
+                                 processing_class=_tokenizer(), callbacks=list(callbacks))
+        return trainer.evaluate()
+
+    want = run(reference_copy(init), tmp_path / "s")
+    got = run(reference_copy(init), tmp_path / "o", [FusedCECallback()])
+    for k in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
+        if k in want:
+            assert abs(got[k] - want[k]) <= TOL * max(1.0, abs(want[k])), k
+    assert "eval_loss" in got
+    if HAS_FUSED_HEAD or CHUNKED_DEFAULT:
+        assert token_spy.count > 0  # TRL's head evaluates through our kernel
+
+
+@pytest.mark.skipif(HAS_FUSED_HEAD, reason="trl >= 1.15 needs no conversion")
+def test_nll_with_compute_metrics_keeps_logits_path_and_warns(tmp_path, caplog):
+    args = trl.SFTConfig(**_common(tmp_path), loss_type="nll")
+    model = build_model("llama")
+    with caplog.at_level("WARNING", logger="fused_ce_patch.hf.trl"):
+        trl.SFTTrainer(model=model, args=args,
+                       train_dataset=datasets.Dataset.from_list(_sft_rows()),
+                       processing_class=_tokenizer(), callbacks=[FusedCECallback()],
+                       compute_metrics=lambda p: {})
+    assert "return_logits=True" in caplog.text
+    assert not trl_routing.is_trl_head_forward(model.__dict__.get("forward"))
