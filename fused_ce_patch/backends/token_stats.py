@@ -64,16 +64,6 @@ class Transform:
             x = x / self.temperature
         return x, t
 
-    def chain(self, dz: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
-        """``dL/dx`` from ``dL/dz`` (in place on ``dz``)."""
-        if self.temperature != 1.0:
-            dz.div_(self.temperature)
-        if t is not None:
-            dz.mul_(1.0 - t * t)
-        if self.logit_scale != 1.0:
-            dz.mul_(self.logit_scale)
-        return dz
-
 
 def tile_shape(n_rows: int, vocab: int, budget: int | None) -> tuple[int, int]:
     """``(R, Vb)``: rows and vocabulary columns of one tile, so that the float32 temporaries
@@ -85,11 +75,107 @@ def tile_shape(n_rows: int, vocab: int, budget: int | None) -> tuple[int, int]:
     return max(rows, 1), block
 
 
-def _logits(h, w_block, b_block, acc, transform):
-    z = (h @ w_block.t()).to(acc)
-    if b_block is not None:
-        z = z + b_block.to(acc)
-    return transform.apply(z)
+def _transform(x, b, acc, scale, softcap, temperature):
+    z = x.to(acc)
+    if b is not None:
+        z = z + b.to(acc)
+    if scale != 1.0:
+        z = z * scale
+    t = None
+    if softcap is not None:
+        t = torch.tanh(z / softcap)
+        z = softcap * t
+    if temperature != 1.0:
+        z = z / temperature
+    return z, t
+
+
+def forward_tile(x, b, y_local, run_max, acc: torch.dtype, scale: float, softcap, temperature: float,
+                 entropy: bool, sq: bool, mean: bool):
+    """Row statistics of one ``[R, Vb]`` tile of raw logits ``x`` (``h W_b^T``, input dtype).
+
+    Returns ``(top, at, new_max, alpha, sum_e, sum_ez, sum_ee, sum_z, picked)``, all ``[R]``:
+    the tile's first maximum and its column, the running max after it, the rescale factor of
+    earlier sums, ``sum exp(z - new_max)`` (times ``z``, squared), ``sum z`` and the logit at
+    column ``y_local`` (clamped; the caller keeps it only where the label is in the tile).
+    Unrequested sums are None.
+    """
+    z, _ = _transform(x, b, acc, scale, softcap, temperature)
+    top, at = z.max(dim=-1)
+    new_max = torch.maximum(run_max, top)
+    alpha = torch.exp(run_max - new_max)
+    e = torch.exp(z - new_max.unsqueeze(1))
+    sum_e = e.sum(dim=-1)
+    sum_ez = (e * z).sum(dim=-1) if entropy else None
+    sum_ee = (e * e).sum(dim=-1) if sq else None
+    sum_z = z.sum(dim=-1) if mean else None
+    picked = z.gather(1, y_local.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    return top, at, new_max, alpha, sum_e, sum_ez, sum_ee, sum_z, picked
+
+
+def backward_tile(x, b, y_local, lse, ent, g_lp, g_ent, acc: torch.dtype, scale: float,
+                  softcap, temperature: float, out_dtype: torch.dtype, need_b: bool):
+    """``(dL/dx in out_dtype, its column sums in acc or None)`` for one tile of raw logits.
+
+    ``dL/dz_v = g_lp (1[v = y] - p_v) - g_ent p_v (log p_v + H)``, chained through the
+    temperature, the softcap and the logit scale. ``g_lp`` / ``g_ent`` may be None.
+    """
+    z, t = _transform(x, b, acc, scale, softcap, temperature)
+    log_p = z - lse.unsqueeze(1)
+    p = torch.exp(log_p)
+    if g_ent is not None:
+        dz = -(g_ent.unsqueeze(1) * p) * (log_p + ent.unsqueeze(1))
+    else:
+        dz = torch.zeros_like(p)
+    if g_lp is not None:
+        cols = torch.arange(z.shape[1], device=z.device)
+        hit = (cols.unsqueeze(0) == y_local.unsqueeze(1)).to(acc)
+        dz = dz + g_lp.unsqueeze(1) * (hit - p)
+    if temperature != 1.0:
+        dz = dz / temperature
+    if t is not None:
+        dz = dz * (1.0 - t * t)
+    if scale != 1.0:
+        dz = dz * scale
+    db = dz.sum(dim=0) if need_b else None
+    return dz.to(out_dtype), db
+
+
+#: ``$FUSED_CE_TOKEN_STATS_COMPILE=0`` keeps the tile functions eager on CUDA; ``force``
+#: compiles them on every device (to test the compiled path on CPU).
+COMPILE_ENV = "FUSED_CE_TOKEN_STATS_COMPILE"
+_compiled: dict = {}
+_compile_failed: set = set()
+
+
+def _tile_fn(fn, device: torch.device):
+    """``fn``, fused by ``torch.compile`` on CUDA (one kernel per tile instead of a dozen
+    element-wise passes over ``[R, Vb]``); eager elsewhere or if compiling fails."""
+    import os
+
+    mode = os.environ.get(COMPILE_ENV, "1").strip().lower()
+    if fn in _compile_failed or mode in ("0", "false", "no", "off") or (
+            device.type != "cuda" and mode != "force"):  # "force": any device (tests)
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=None)
+    compiled = _compiled[fn]
+
+    def call(*args):
+        if fn in _compile_failed:
+            return fn(*args)
+        try:
+            return compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - the eager function computes the same thing
+            _compile_failed.add(fn)
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "fused_ce_patch: torch.compile of %s failed (%s: %s); running it eagerly",
+                fn.__name__, type(exc).__name__, str(exc)[:200])
+            return fn(*args)
+
+    return call
 
 
 def _addmm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -120,49 +206,50 @@ class TokenStatsFunction(torch.autograd.Function):
         m, vocab = hidden.shape[0], weight.shape[0]
         rows, block = tile
         dev = hidden.device
+        fold = _tile_fn(forward_tile, dev)
+        consts = (acc, transform.logit_scale, transform.softcap, transform.temperature)
+        flags = ("entropy" in extras, "log_sum_sq_probs" in extras, "mean_logits" in extras)
 
         def new(fill, dtype=acc):
             return torch.full((m,), fill, dtype=dtype, device=dev)
 
         run_max, sum_exp, target = new(-math.inf), new(0.0), new(0.0)
-        z_exp = new(0.0) if "entropy" in extras else None
-        sq_exp = new(0.0) if "log_sum_sq_probs" in extras else None
-        z_sum = new(0.0) if "mean_logits" in extras else None
-        if "is_top1" in extras:
+        z_exp = new(0.0) if flags[0] else None
+        sq_exp = new(0.0) if flags[1] else None
+        z_sum = new(0.0) if flags[2] else None
+        top1 = "is_top1" in extras
+        if top1:
             best, best_at = new(-math.inf), new(0, torch.int64)
         for r0 in range(0, m, rows):
             r1 = min(r0 + rows, m)
             h, y = hidden[r0:r1], labels[r0:r1]
-            mx, se, tg = run_max[r0:r1], sum_exp[r0:r1], target[r0:r1]
             for v0 in range(0, vocab, block):
                 v1 = min(v0 + block, vocab)
-                z, _ = _logits(h, weight[v0:v1], None if bias is None else bias[v0:v1], acc,
-                               transform)
-                top, at = z.max(dim=-1)  # first maximum of the block
-                if "is_top1" in extras:
+                x = h @ weight[v0:v1].t()
+                y_local = y - v0
+                top, at, new_max, alpha, s_e, s_ez, s_ee, s_z, picked = fold(
+                    x, None if bias is None else bias[v0:v1], y_local, run_max[r0:r1],
+                    *consts, *flags)
+                del x
+                if top1:
                     # strictly greater: an earlier block keeps a tie (torch.argmax semantics)
                     better = top > best[r0:r1]
                     best[r0:r1] = torch.where(better, top, best[r0:r1])
                     best_at[r0:r1] = torch.where(better, at + v0, best_at[r0:r1])
-                new_max = torch.maximum(mx, top)
-                alpha = torch.exp(mx - new_max)
-                e = torch.exp(z - new_max.unsqueeze(1))
-                se.mul_(alpha).add_(e.sum(dim=-1))
+                sum_exp[r0:r1] = sum_exp[r0:r1] * alpha + s_e
                 if z_exp is not None:
-                    z_exp[r0:r1] = z_exp[r0:r1] * alpha + (e * z).sum(dim=-1)
+                    z_exp[r0:r1] = z_exp[r0:r1] * alpha + s_ez
                 if sq_exp is not None:
-                    sq_exp[r0:r1] = sq_exp[r0:r1] * alpha * alpha + (e * e).sum(dim=-1)
+                    sq_exp[r0:r1] = sq_exp[r0:r1] * alpha * alpha + s_ee
                 if z_sum is not None:
-                    z_sum[r0:r1] += z.sum(dim=-1)
-                mx.copy_(new_max)
-                inside = (y >= v0) & (y < v1)
-                picked = z.gather(1, (y - v0).clamp(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
-                tg.copy_(torch.where(inside, picked, tg))
-                del z, e
+                    z_sum[r0:r1] += s_z
+                run_max[r0:r1] = new_max
+                inside = (y_local >= 0) & (y_local < v1 - v0)
+                target[r0:r1] = torch.where(inside, picked, target[r0:r1])
         lse = run_max + torch.log(sum_exp)
         log_probs = target - lse
         entropy = None if z_exp is None else lse - z_exp / sum_exp
-        is_top1 = None if "is_top1" not in extras else best_at == labels
+        is_top1 = best_at == labels if top1 else None
         mean_logits = None if z_sum is None else z_sum / vocab
         log_sum_sq = None if sq_exp is None else torch.log(sq_exp) - 2.0 * torch.log(sum_exp)
         ctx.transform = transform
@@ -186,6 +273,9 @@ class TokenStatsFunction(torch.autograd.Function):
         m, vocab = hidden.shape[0], weight.shape[0]
         g_lp = None if g_lp is None else g_lp.to(acc)
         g_ent = None if g_ent is None else g_ent.to(acc)
+        grad_tile = _tile_fn(backward_tile, hidden.device)
+        consts = (acc, transform.logit_scale, transform.softcap, transform.temperature,
+                  hidden.dtype, bool(need_b))
         # dH sums over vocabulary blocks (float32 [M, H]); each dW block is complete after its
         # pass over the rows, so no float32 copy of the whole weight is ever held.
         dh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
@@ -200,30 +290,14 @@ class TokenStatsFunction(torch.autograd.Function):
             for r0 in range(0, m, rows):
                 r1 = min(r0 + rows, m)
                 h = hidden[r0:r1]
-                z, t = _logits(h, w_blk, b_blk, acc, transform)
-                log_p = z.sub_(lse[r0:r1].unsqueeze(1))
-                p = torch.exp(log_p)
-                if g_ent is not None:
-                    # d entropy / dz_v = -p_v (log p_v + H)
-                    dz = log_p.add_(entropy[r0:r1].unsqueeze(1)).mul_(p)
-                    dz.mul_(-g_ent[r0:r1].unsqueeze(1))
-                else:
-                    dz = torch.zeros_like(p)
-                del log_p
-                if g_lp is not None:
-                    # d log p_y / dz_v = 1[v = y] - p_v
-                    g = g_lp[r0:r1]
-                    dz.addcmul_(p, g.unsqueeze(1), value=-1.0)
-                    y = labels[r0:r1]
-                    inside = (y >= v0) & (y < v1)
-                    dz.scatter_add_(1, (y - v0).clamp(0, v1 - v0 - 1).unsqueeze(1),
-                                    torch.where(inside, g, 0.0).unsqueeze(1))
-                del p
-                dz = transform.chain(dz, t)
+                dz, db_part = grad_tile(
+                    h @ w_blk.t(), b_blk, labels[r0:r1] - v0, lse[r0:r1],
+                    None if entropy is None else entropy[r0:r1],
+                    None if g_lp is None else g_lp[r0:r1],
+                    None if g_ent is None else g_ent[r0:r1], *consts)
                 if need_b:
-                    db_blk.add_(dz.sum(dim=0))
+                    db_blk.add_(db_part)
                 # projections in the inputs' dtype, as lm_head's own backward runs them
-                dz = dz.to(hidden.dtype)
                 if need_h:
                     _addmm_acc(dh[r0:r1], dz, w_blk)
                 if need_w:
