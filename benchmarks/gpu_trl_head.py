@@ -12,6 +12,7 @@ weight; ``labels`` has 10 % ``-100``):
     ours-sft       fused_linear_token_stats(entropy=True, accuracy=True): what the routed
                    TRL head computes for a patched model
     ours-logp      fused_linear_token_stats, log_probs only
+    ours-sft-eager ours-sft with the tile functions eager (FUSED_CE_TOKEN_STATS_COMPILE=0)
     ours-loss      fused_linear_cross_entropy (backend "auto"): the fused loss of a plain
                    Trainer run, for comparison
 The loss is ``-sum(log_probs) / n_counted`` (TRL's SFT loss).
@@ -49,9 +50,10 @@ SHAPES = {  # name: (N, H, V, softcap)
     "gemma3-270m": (32768, 640, 262144, None),
 }
 TINY = {"tiny": (64, 32, 1003, None), "tiny-softcap": (48, 24, 517, 30.0)}
-IMPLS = ["trl-sft", "trl-logp", "ours-sft", "ours-logp", "ours-loss"]
+IMPLS = ["trl-sft", "trl-logp", "ours-sft", "ours-logp", "ours-sft-eager", "ours-loss"]
 TRL_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE (trl 1.16)
 MiB = 2**20
+COMPILE_ENV = "FUSED_CE_TOKEN_STATS_COMPILE"  # fused_ce_patch.backends.token_stats.COMPILE_ENV
 
 
 def main(argv=None):
@@ -80,11 +82,20 @@ def main(argv=None):
         ref = reference(torch, data, softcap)
         for impl in args.impls.split(","):
             t0 = time.time()
+            # "-eager": forward and backward with the tile functions uncompiled
+            saved = os.environ.get(COMPILE_ENV)
+            if impl.endswith("-eager"):
+                os.environ[COMPILE_ENV] = "0"
             try:
                 row = measure(torch, build(torch, impl, softcap), data, ref, args, dev)
             except Exception as exc:  # one failing implementation must not end the run
                 traceback.print_exc()
                 row = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            finally:
+                if saved is None:
+                    os.environ.pop(COMPILE_ENV, None)
+                else:
+                    os.environ[COMPILE_ENV] = saved
             row.update(shape=name, impl=impl, N=n, H=h, V=v, softcap=softcap,
                        wall_s=round(time.time() - t0, 1))
             rows.append(row)
@@ -135,10 +146,10 @@ def build(torch, impl, softcap):
             return -lp.sum() / mask.sum().clamp(min=1)
 
         return trl_head
-    if impl in ("ours-sft", "ours-logp"):
+    if impl in ("ours-sft", "ours-logp", "ours-sft-eager"):
         from fused_ce_patch import fused_linear_token_stats
 
-        full = impl == "ours-sft"
+        full = impl != "ours-logp"
 
         def ours(hidden, weight, labels):
             s = fused_linear_token_stats(hidden, weight, labels, softcap=softcap,

@@ -210,7 +210,7 @@ def test_tiny_benchmark_runs(tmp_path):
     spec = importlib.util.spec_from_file_location("gpu_trl_head", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    impls = "ours-sft,ours-logp,ours-loss"
+    impls = "ours-sft,ours-logp,ours-sft-eager,ours-loss"
     if importlib.util.find_spec("trl") is not None and \
             importlib.util.find_spec("trl.kernels") is not None:  # trl >= 1.15
         impls += ",trl-sft,trl-logp"
