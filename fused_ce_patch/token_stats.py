@@ -98,7 +98,8 @@ def fused_linear_token_stats(
             Every other name (after the same availability check as the loss, so a
             backend that cannot run here raises the same error) runs the chunked torch
             algorithm of :mod:`fused_ce_patch.backends.token_stats`, whose matmuls use the
-            device's BLAS (cuBLAS, CANN, CPU).
+            device's BLAS (cuBLAS, CANN, CPU); on CUDA its per-tile element-wise math is
+            fused by ``torch.compile`` (``$FUSED_CE_TOKEN_STATS_COMPILE=0`` turns that off).
 
     Returns:
         :class:`TokenStats` ``(log_probs, entropy, is_top1, mask, mean_logits,
