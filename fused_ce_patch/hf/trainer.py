@@ -212,6 +212,7 @@ class FusedCECallback(TrainerCallback):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         if model is None or not self._is_enabled(args):
             return
+        _check_liger(args)
         options = self._options(args)
         trainer = _calling_trainer(depth=6)
         before = None
@@ -233,6 +234,19 @@ class FusedCECallback(TrainerCallback):
                 "fused_ce_patch: the model was not patched at train begin; patching it now"
             )
             apply_fused_ce(model, **self._options(args))
+
+
+def _check_liger(args) -> None:
+    """Liger's fused linear cross-entropy replaces the same forward at ``train()``."""
+    if not getattr(args, "use_liger_kernel", False):
+        return
+    config = getattr(args, "liger_kernel_config", None) or {}
+    if config.get("fused_linear_cross_entropy", True):
+        raise ValueError(
+            "use_fused_ce and Liger Kernel's fused linear cross-entropy (use_liger_kernel=True) "
+            "both replace the model's loss; keep Liger's other kernels with "
+            "liger_kernel_config={'fused_linear_cross_entropy': False}, or drop one of the two."
+        )
 
 
 def _takes_skip_logits(model) -> bool:

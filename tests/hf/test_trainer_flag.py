@@ -128,3 +128,15 @@ def test_error_names_other_library_briefly():
     assert "liger_kernel" in msg and "lce_forward" in msg and len(msg) < 400
     assert "LlamaDecoderLayer" not in msg  # no model dump
     assert torch.is_tensor(model.lm_head.weight)
+
+
+def test_liger_fused_loss_conflict_is_a_short_error(tmp_path):
+    args = _args(FusedCETrainingArguments, tmp_path, use_fused_ce=True)
+    args.use_liger_kernel = True  # set after construction: Liger itself is not installed here
+    with pytest.raises(ValueError, match="Liger Kernel") as info:
+        Trainer(model=build_model("llama"), args=args)
+    assert "fused_linear_cross_entropy': False" in str(info.value) and len(str(info.value)) < 300
+    args.liger_kernel_config = {"fused_linear_cross_entropy": False}
+    model = build_model("llama")
+    Trainer(model=model, args=args)
+    assert is_fused_ce_applied(model)
