@@ -7,14 +7,14 @@ so it works on every device torch runs on (CPU, CUDA, NPU); the matmuls go to th
 BLAS.
 
 Optionally also ``mean_v z_v`` and ``log sum_v p_v^2`` (TRL's ``mean_logits`` and
-``log_sum_sq_probs``, without gradient). The logits are visited in tiles of ``R`` rows by ``Vb`` vocabulary columns, sized so that about
-four float32 ``[R, Vb]`` temporaries fit in ``logits_budget``. With
-``T(x) = c * tanh(s * x / c) / t`` (logit scale ``s``, softcap ``c``, temperature ``t``), the
-forward computes each tile's ``z = T(h W_b^T + b_b)`` and folds it into per-row running
-statistics (online log-sum-exp: running max ``m``, ``sum exp(z - m)``, ``sum exp(z - m) z``,
-the label's logit, the first argmax), giving ``log p_y = z_y - LSE``,
-``H = LSE - sum_v p_v z_v`` and ``argmax z == y`` with only ``[M]``-sized state. The backward
-walks vocabulary blocks in the outer loop, recomputes each tile's logits, and forms
+``log_sum_sq_probs``, without gradient). The logits are visited in tiles of ``R`` rows by ``Vb``
+vocabulary columns, sized so that about four float32 ``[R, Vb]`` temporaries fit in
+``logits_budget``. With ``T(x) = c * tanh(s * x / c) / t`` (logit scale ``s``, softcap ``c``,
+temperature ``t``), the forward computes each tile's ``z = T(h W_b^T + b_b)`` and folds it into
+per-row running statistics (online log-sum-exp: running max ``m``, ``sum exp(z - m)``, ``sum
+exp(z - m) z``, the label's logit, the first argmax), giving ``log p_y = z_y - LSE``, ``H = LSE
+- sum_v p_v z_v`` and ``argmax z == y`` with only ``[M]``-sized state. The backward walks
+vocabulary blocks in the outer loop, recomputes each tile's logits, and forms
 
     dL/dz_v = g_lp * (1[v = y] - p_v) - g_H * p_v * (log p_v + H)
 
@@ -90,8 +90,8 @@ def _transform(x, b, acc, scale, softcap, temperature):
     return z, t
 
 
-def forward_tile(x, b, y_local, run_max, acc: torch.dtype, scale: float, softcap, temperature: float,
-                 entropy: bool, sq: bool, mean: bool):
+def forward_tile(x, b, y_local, run_max, acc: torch.dtype, scale: float, softcap,
+                 temperature: float, entropy: bool, sq: bool, mean: bool):
     """Row statistics of one ``[R, Vb]`` tile of raw logits ``x`` (``h W_b^T``, input dtype).
 
     Returns ``(top, at, new_max, alpha, sum_e, sum_ez, sum_ee, sum_z, picked)``, all ``[R]``:

@@ -21,14 +21,14 @@ carry the flag). For TRL, :func:`fused_ce_config` adds the flag to any config cl
 
 The callback patches the model in ``on_init_end`` — the end of ``Trainer.__init__``, before
 ``Trainer.train`` runs ``accelerate.prepare``, whose native mixed-precision wrapper binds
-``model.forward`` at prepare time (accelerate 1.x ``Accelerator.prepare_model``). Token
-counting stays exact: ``Trainer.__init__`` has already decided how to count
-``num_items_in_batch`` by then, and the patch leaves ``LOSS_MAPPING`` untouched, so that
-decision is the stock one anyway (see :mod:`fused_ce_patch.hf.loss_mapping`). Calling
-``apply_fused_ce(model)`` before building the Trainer is equivalent. Evaluation with ``prediction_loss_only`` (no ``compute_metrics``) computes the
-loss on the fused path without logits, through the ``skip_logits=True`` keyword that Trainer
-passes for Liger (``Trainer.prediction_step``); whenever predictions or metrics need logits they
-are real.
+``model.forward`` at prepare time (accelerate 1.x ``Accelerator.prepare_model``). Token counting
+stays exact: ``Trainer.__init__`` has already decided how to count ``num_items_in_batch`` by
+then, and the patch leaves ``LOSS_MAPPING`` untouched, so that decision is the stock one anyway
+(see :mod:`fused_ce_patch.hf.loss_mapping`). Calling ``apply_fused_ce(model)`` before building
+the Trainer is equivalent. Evaluation with ``prediction_loss_only`` (no ``compute_metrics``)
+computes the loss on the fused path without logits, through the ``skip_logits=True`` keyword
+that Trainer passes for Liger (``Trainer.prediction_step``); whenever predictions or metrics
+need logits they are real.
 
 With ``model_init`` (a fresh model per ``train()``), Trainer re-creates the model after
 ``on_init_end`` and never shows callbacks the new one: patch inside ``model_init`` instead

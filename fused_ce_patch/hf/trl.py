@@ -17,13 +17,13 @@ Everything around those calls (backbone, masking, loss reduction, MoE aux loss, 
 TRL's. While some model is patched by :func:`~fused_ce_patch.apply_fused_ce`, each of those two
 module attributes is replaced by a router that computes with
 :func:`~fused_ce_patch.fused_linear_token_stats` when the ``weight`` it receives is the lm_head
-weight of a patched instance, and calls TRL's own function, unchanged, for every other model — so
-a model that was never patched sees TRL's exact behaviour. The originals come back when the last
-patched instance is reverted. All five fields of trl 1.16 are produced; a field a later TRL
-adds that we do not know goes to TRL's kernel for that call, with one log message. Class-level patches
-(``apply_fused_ce_to_<arch>``) are not routed: they have no instance to recognise the weight by.
-Nor is an FSDP2 head: TRL hands the kernel ``weight.full_tensor()``, a new tensor, so TRL's
-kernel runs there (DeepSpeed ZeRO-3 gathers the parameter in place and is routed).
+weight of a patched instance, and calls TRL's own function, unchanged, for every other model —
+so a model that was never patched sees TRL's exact behaviour. The originals come back when the
+last patched instance is reverted. All five fields of trl 1.16 are produced; a field a later TRL
+adds that we do not know goes to TRL's kernel for that call, with one log message. Class-level
+patches (``apply_fused_ce_to_<arch>``) are not routed: they have no instance to recognise the
+weight by. Nor is an FSDP2 head: TRL hands the kernel ``weight.full_tensor()``, a new tensor, so
+TRL's kernel runs there (DeepSpeed ZeRO-3 gathers the parameter in place and is routed).
 
 Source: trl 1.16.0 ``trainer/utils.py`` and ``kernels/chunked_logprob.py``; trl 1.10.0 and
 1.6.0 ``trainer/sft_trainer.py``.
