@@ -1,20 +1,21 @@
-"""Per-token statistics of ``hidden @ weight.T (+ bias)`` in row chunks: log-probability of the
+"""Per-token statistics of ``hidden @ weight.T (+ bias)`` in tiles: log-probability of the
 label, entropy, and whether the label is the argmax, without the ``[N, V]`` logits.
 
 Used by :func:`fused_ce_patch.fused_linear_token_stats`, which validates the call and hands the
-counted rows here. The algorithm runs in plain torch (matmuls plus element-wise ops per chunk),
+counted rows here. The algorithm runs in plain torch (matmuls plus element-wise ops per tile),
 so it works on every device torch runs on (CPU, CUDA, NPU); the matmuls go to the device's
 BLAS.
 
 Optionally also ``mean_v z_v`` and ``log sum_v p_v^2`` (TRL's ``mean_logits`` and
 ``log_sum_sq_probs``, without gradient). The logits are visited in tiles of ``R`` rows by ``Vb``
-vocabulary columns, sized so that about four float32 ``[R, Vb]`` temporaries fit in
-``logits_budget``. With ``T(x) = c * tanh(s * x / c) / t`` (logit scale ``s``, softcap ``c``,
-temperature ``t``), the forward computes each tile's ``z = T(h W_b^T + b_b)`` and folds it into
-per-row running statistics (online log-sum-exp: running max ``m``, ``sum exp(z - m)``, ``sum
-exp(z - m) z``, the label's logit, the first argmax), giving ``log p_y = z_y - LSE``, ``H = LSE
-- sum_v p_v z_v`` and ``argmax z == y`` with only ``[M]``-sized state. The backward walks
-vocabulary blocks in the outer loop, recomputes each tile's logits, and forms
+vocabulary columns, sized so that the tile's temporaries (four float32 ``[R, Vb]`` eager, about
+half that when compiled) fit in ``logits_budget``. With ``T(x) = c * tanh(s * x / c) / t``
+(logit scale ``s``, softcap ``c``, temperature ``t``), the forward computes each tile's ``z =
+T(h W_b^T + b_b)`` and folds it into per-row running statistics (online log-sum-exp: running max
+``m``, ``sum exp(z - m)``, ``sum exp(z - m) z``, the label's logit, the first argmax), giving
+``log p_y = z_y - LSE``, ``H = LSE - sum_v p_v z_v`` and ``argmax z == y`` with only
+``[M]``-sized state. The backward walks vocabulary blocks in the outer loop, recomputes each
+tile's logits, and forms
 
     dL/dz_v = g_lp * (1[v = y] - p_v) - g_H * p_v * (log p_v + H)
 
@@ -37,8 +38,11 @@ import torch
 
 #: Default bytes of transient logits per tile when the caller gives no budget.
 DEFAULT_BUDGET = 256 * 2**20
-#: float32 ``[R, Vb]`` temporaries alive at once in the backward (z, p, log p / dz, one spare).
-_TEMPORARIES = 4
+#: Bytes per tile cell: eager, four float32 ``[R, Vb]`` temporaries (z, p, log p / dz, one
+#: spare); compiled (the tile math fused into one kernel), the matmul output and dz in the
+#: inputs' dtype plus headroom.
+_CELL_BYTES_EAGER = 16
+_CELL_BYTES_COMPILED = 8
 #: Most rows in one tile: enough for full-speed matmuls, few enough to leave room for wide
 #: vocabulary blocks.
 ROWS_MAX = 8192
@@ -65,11 +69,12 @@ class Transform:
         return x, t
 
 
-def tile_shape(n_rows: int, vocab: int, budget: int | None) -> tuple[int, int]:
-    """``(R, Vb)``: rows and vocabulary columns of one tile, so that the float32 temporaries
-    of a tile fit in ``budget`` bytes (each at least 1)."""
+def tile_shape(n_rows: int, vocab: int, budget: int | None,
+               cell_bytes: int = _CELL_BYTES_EAGER) -> tuple[int, int]:
+    """``(R, Vb)``: rows and vocabulary columns of one tile, so that the temporaries of a tile
+    (``cell_bytes`` per cell) fit in ``budget`` bytes (each at least 1)."""
     budget = DEFAULT_BUDGET if budget is None or budget <= 0 else budget
-    cells = max(1, budget // (_TEMPORARIES * 4))
+    cells = max(1, budget // cell_bytes)
     block = min(vocab, max(1, cells // max(1, min(n_rows, ROWS_MAX))))
     rows = min(n_rows, ROWS_MAX, max(1, cells // block))
     return max(rows, 1), block
@@ -148,14 +153,19 @@ _compiled: dict = {}
 _compile_failed: set = set()
 
 
-def _tile_fn(fn, device: torch.device):
-    """``fn``, fused by ``torch.compile`` on CUDA (one kernel per tile instead of a dozen
-    element-wise passes over ``[R, Vb]``); eager elsewhere or if compiling fails."""
+def _compile_wanted(fn, device: torch.device) -> bool:
     import os
 
     mode = os.environ.get(COMPILE_ENV, "1").strip().lower()
-    if fn in _compile_failed or mode in ("0", "false", "no", "off") or (
-            device.type != "cuda" and mode != "force"):  # "force": any device (tests)
+    if fn in _compile_failed or mode in ("0", "false", "no", "off"):
+        return False
+    return device.type == "cuda" or mode == "force"  # "force": any device (tests)
+
+
+def _tile_fn(fn, device: torch.device):
+    """``fn``, fused by ``torch.compile`` on CUDA (one kernel per tile instead of a dozen
+    element-wise passes over ``[R, Vb]``); eager elsewhere or if compiling fails."""
+    if not _compile_wanted(fn, device):
         return fn
     if fn not in _compiled:
         _compiled[fn] = torch.compile(fn, dynamic=None)
@@ -315,7 +325,10 @@ class TokenStatsFunction(torch.autograd.Function):
 
 def token_stats_chunked(hidden, weight, bias, labels, transform, extras, logits_budget):
     """Run :class:`TokenStatsFunction` on ``[M, H]`` rows with ``[M]`` valid labels."""
-    tile = tile_shape(hidden.shape[0], weight.shape[0], logits_budget)
+    compiled = _compile_wanted(forward_tile, hidden.device) and _compile_wanted(
+        backward_tile, hidden.device)
+    tile = tile_shape(hidden.shape[0], weight.shape[0], logits_budget,
+                      _CELL_BYTES_COMPILED if compiled else _CELL_BYTES_EAGER)
     return TokenStatsFunction.apply(hidden, weight, bias, labels, transform,
                                     frozenset(extras), tile)
 
