@@ -271,6 +271,8 @@ def apply_fused_ce(
     state = target.__dict__.get(STATE_ATTR)
     if state is not None:
         state.options = options
+        logger.info("fused_ce_patch: %s already patched; options now %s",
+                    type(target).__name__, _describe(options))
         return model
 
     patched = patched_forward(stock, spec)
@@ -303,6 +305,11 @@ def apply_fused_ce(
     target.__dict__[STATE_ATTR] = _InstanceState(options, slot, previous, installed)
     _PATCHED_INSTANCES.add(target)
     loss_mapping.register()
+    logger.info(
+        "fused_ce_patch: patched %s (model_type %r, this instance only): training loss via "
+        "fused linear cross-entropy, %s",
+        type(target).__name__, target.config.model_type, _describe(options),
+    )
     return model
 
 
@@ -440,3 +447,16 @@ apply_fused_ce_to_gemma3 = _class_patcher(
     "gemma3_text", "gemma3",
     " (text-only Gemma 3; ``config.final_logit_softcapping`` applied when set)",
 )
+
+
+def _describe(options: FusedCEOptions) -> str:
+    backend = options.backend
+    text = f"backend {backend!r}" + (
+        " (chosen at each call from the hidden states' device: triton on CUDA, ascend on NPU, "
+        "torch otherwise)" if backend == "auto" else ""
+    )
+    if options.logits_budget is not None:
+        text += f", logits_budget {options.logits_budget} bytes"
+    if options.return_logits:
+        text += ", return_logits=True (real logits kept, no memory saving)"
+    return text
