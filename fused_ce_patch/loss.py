@@ -14,6 +14,7 @@ from torch import nn
 
 from . import backends
 from .backends.base import LossSpec, Problem
+from .types import BackendName, Reduction
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -25,14 +26,14 @@ def fused_linear_cross_entropy(
     *,
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
-    reduction: str = "mean",
+    reduction: Reduction = "mean",
     num_items_in_batch: int | torch.Tensor | None = None,
     shift: bool = False,
     softcap: float | None = None,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     logits_budget: int | None = None,
-    backend: str = "auto",
+    backend: BackendName = "auto",
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` without storing the
     ``[N, V]`` logits.
@@ -139,13 +140,13 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         self,
         *,
         ignore_index: int = -100,
-        reduction: str = "mean",
+        reduction: Reduction = "mean",
         shift: bool = False,
         softcap: float | None = None,
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,
         logits_budget: int | None = None,
-        backend: str = "auto",
+        backend: BackendName = "auto",
     ):
         super().__init__()
         _check_options(reduction, backend, None, softcap, label_smoothing, z_loss, logits_budget)

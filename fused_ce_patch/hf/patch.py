@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from ..types import BackendName
 from . import loss_mapping
 from .architectures import ARCHITECTURES, ArchSpec, supported_model_types
 from .forward import (
@@ -228,7 +229,7 @@ def _rewrap_accelerate_amp(current, patched, model):
 def apply_fused_ce(
     model: nn.Module,
     *,
-    backend: str = "auto",
+    backend: BackendName = "auto",
     logits_budget: int | None = None,
     return_logits: bool = False,
 ) -> nn.Module:
@@ -313,7 +314,9 @@ def apply_fused_ce(
     return model
 
 
-def revert_fused_ce(model=None):
+def revert_fused_ce(
+    model: nn.Module | type[nn.Module] | None = None,
+) -> nn.Module | type[nn.Module] | None:
     """Undo :func:`apply_fused_ce` on an instance, an ``apply_fused_ce_to_*`` on a class, or all.
 
     Args:
@@ -429,7 +432,13 @@ _CLASS_DOC = """Patch every {cls} (model_type ``{mt}``) to use the fused loss{ex
 def _class_patcher(model_type: str, short: str, extra: str = ""):
     spec = ARCHITECTURES[model_type]
 
-    def apply(model=None, *, backend="auto", logits_budget=None, return_logits=False):
+    def apply(
+        model: nn.Module | None = None,
+        *,
+        backend: BackendName = "auto",
+        logits_budget: int | None = None,
+        return_logits: bool = False,
+    ) -> nn.Module | None:
         return _apply_to_class(model_type, model, backend, logits_budget, return_logits)
 
     apply.__name__ = apply.__qualname__ = f"apply_fused_ce_to_{short}"
