@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fused_ce_patch import AutoFusedCEForCausalLM, LogitsNotMaterializedError
 from fused_ce_patch.demo.data import pack_blocks, read_texts
-from fused_ce_patch.demo.models import resolve_model
+from fused_ce_patch.demo import local_model_path
 
 
 def main() -> None:
@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     args = parser.parse_args()
 
-    model_dir, _ = resolve_model("smollm2")
+    model_dir = local_model_path("smollm2")  # real weights, offline
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoFusedCEForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     stock = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
