@@ -4,7 +4,7 @@ Every test that asks for ``seed`` (the core suites do, module-wide, with ``one_t
 torch's global RNG seeded from ``os.urandom``; the seed is printed, so pytest shows it with any
 failure. Set ``FUSED_CE_TEST_SEED=<int>`` to replay one.
 
-``oracle`` is the plain-torch float64 definition of the loss (DESIGN.md §1): materialised
+``oracle`` is the plain-torch float64 definition of the loss (docs/design.md §1): materialised
 float64 logits, softcap, ``F.cross_entropy`` with torch's label smoothing, the PaLM z-loss,
 transformers' reductions. Tests compare every backend against it, never against a backend.
 """
@@ -53,7 +53,7 @@ def oracle_loss(
     label_smoothing=0.0,
     z_loss=0.0,
 ):
-    """The loss of DESIGN.md §1 in float64, differentiable w.r.t. the float64 inputs given.
+    """The loss of docs/design.md §1 in float64, differentiable w.r.t. the float64 inputs given.
 
     Inputs of another dtype are upcast first (a differentiable cast), so gradients reach
     them too. Returns float64.

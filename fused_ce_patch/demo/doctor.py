@@ -117,7 +117,8 @@ def numeric_check(backend: str, device: torch.device, dtype: torch.dtype, seed: 
     except Exception as exc:
         return Check(str(device), backend, dtype, {}, f"{type(exc).__name__}: {exc}")
     names = ("loss", "d_hidden", "d_weight")
-    return Check(str(device), backend, dtype, {k: relative_error(g, r) for k, g, r in zip(names, got, ref)})
+    errors = {k: relative_error(g, r) for k, g, r in zip(names, got, ref)}
+    return Check(str(device), backend, dtype, errors)
 
 
 def report() -> tuple[str, bool]:
@@ -142,7 +143,7 @@ def report() -> tuple[str, bool]:
         try:
             backends.get_backend(name)
             registered.add(name)
-        except ValueError:  # "auto", or a name of DESIGN.md with no module in this install
+        except ValueError:  # "auto", or a name of docs/design.md with no module in this install
             pass
     checks: list[Check] = []
     out += ["", "Backends (float32). backend=\"auto\" takes $FUSED_CE_BACKEND when set, else the",
