@@ -307,3 +307,15 @@ def test_both_runs_get_passive_openmp_unless_the_user_chose(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice wins
     env, note = compare.child_environment()
     assert env["OMP_WAIT_POLICY"] == "ACTIVE" and note is None
+
+
+@pytest.mark.slow
+def test_model_path_prints_the_local_directory_of_the_real_weights():
+    from fused_ce_patch.demo import local_model_path
+
+    proc = run_cli("model-path", "smollm2", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    path = proc.stdout.strip()
+    assert os.path.isfile(os.path.join(path, "config.json"))
+    assert os.path.isfile(os.path.join(path, "model.safetensors"))
+    assert str(local_model_path("smollm2")) == path
