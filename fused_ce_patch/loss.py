@@ -64,8 +64,10 @@ def fused_linear_cross_entropy(
             counted position gives one) counts as 1, so the result is 0.0 rather than NaN.
             Not allowed with ``reduction="none"``.
         shift: causal shift: position ``t`` predicts ``labels[..., t + 1]``; the last position
-            of each sequence predicts nothing. Leave False for labels that are already shifted
-            (transformers' ``shift_labels``).
+            of each sequence predicts nothing. **Pass True when ``labels`` are the input ids**
+            (the usual causal-LM call): without it the result is a different loss, and no
+            check can tell (pre-shifted labels look the same). Leave False for labels that are
+            already shifted (transformers' ``shift_labels``).
         softcap: final-logit softcapping ``c > 0`` (Gemma-2 uses 30), or None.
         label_smoothing: ``eps`` in ``[0, 1]``, torch's definition.
         z_loss: ``lambda >= 0`` of the PaLM z-loss ``lambda * LSE**2`` (Chowdhery et al.,
