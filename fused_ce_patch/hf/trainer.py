@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback, TrainingArguments
 
+from ..types import BackendName
 from .patch import make_options, apply_fused_ce, is_fused_ce_applied
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,14 @@ class FusedCECallback(TrainerCallback):
     in between; accelerate's prepared forward is then rebuilt around the patch.
     """
 
-    def __init__(self, *, enabled=None, backend=None, logits_budget=None, return_logits=None):
+    def __init__(
+        self,
+        *,
+        enabled: bool | None = None,
+        backend: BackendName | None = None,
+        logits_budget: int | None = None,
+        return_logits: bool | None = None,
+    ) -> None:
         self.enabled = enabled
         self.backend = backend
         self.logits_budget = logits_budget
