@@ -119,8 +119,7 @@ def _errors(impl, seed):
     ref.backward()
     got = _step_fn(impl)(hidden, weight, labels)
 
-    def rel(a, b):
-        return float((a.double() - b).norm() / b.norm())
+    from fused_ce_patch.numerics import relative_error as rel
 
     return {
         "loss_err": rel(got.detach(), ref.detach()),
@@ -250,25 +249,40 @@ def _table(rows, size, threads):
     return "\n".join(lines)
 
 
-def _plot(rows, size, path):
+def _plot(rows, size, path, threads=None):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["impl"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2))
-    x = range(len(names))
-    a.bar([i - 0.2 for i in x], [r["time_s"] for r in rows], width=0.4, label="wall")
-    a.bar([i + 0.2 for i in x], [r["cpu_time_s"] for r in rows], width=0.4,
-          label="CPU / threads")  # fmt: skip
-    a.set_xticks(list(x), names)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import plot_style
+
+    impls = [r["impl"] for r in rows]
+    names = [plot_style.name(i).replace(" (", "\n(") for i in impls]
+    colours = [plot_style.colour(i) for i in impls]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
+    x = list(range(len(impls)))
+    a.bar([i - 0.2 for i in x], [r["time_s"] for r in rows], width=0.4, color=colours,
+          label="wall")  # fmt: skip
+    a.bar([i + 0.2 for i in x], [r["cpu_time_s"] for r in rows], width=0.4, color=colours,
+          alpha=0.55, hatch="//", label="CPU time / threads")  # fmt: skip
+    a.set_xticks(x, names, fontsize=8)
     a.set_ylabel("forward + backward (s)")
     a.set_ylim(top=1.3 * max(max(r["time_s"], r["cpu_time_s"]) for r in rows))
-    a.legend(loc="upper center", ncol=2)
-    b.bar(names, [r["peak_extra_bytes"] / 2**20 for r in rows], color=["#999999", "#2a7ab9"])
+    a.legend(loc="upper center", ncol=2, fontsize=8)
+    mib = [r["peak_extra_bytes"] / 2**20 for r in rows]
+    b.bar(x, mib, color=colours)
+    b.set_xticks(x, names, fontsize=8)
     b.set_ylabel("peak extra memory (MiB)")
-    fig.suptitle(f"CPU float32, N={size['n']}, H={size['h']}, V={size['v']}")
+    if plot_style.wants_log_axis(mib):
+        b.set_yscale("log")
+        b.set_ylabel("peak extra memory (MiB, log scale)")
+    n = size["n"]
+    fig.suptitle(
+        f"CPU, float32, {n:,} tokens x vocabulary {size['v']:,} (H={size['h']})"
+        + (f", {threads} threads" if threads else "")
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -280,6 +294,7 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=1, help="timed steps after one warm-up")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds (fresh processes)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replot", metavar="JSON", help="only redraw the plot of a results file")
     p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--n", type=int, help=argparse.SUPPRESS)
     p.add_argument("--h", type=int, help=argparse.SUPPRESS)
@@ -287,6 +302,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.replot:
+        data = json.loads(Path(args.replot).read_text())
+        png = Path(args.replot).with_suffix(".png")
+        _plot(data["results"], data["size"], png, data.get("threads"))
+        print(f"wrote {png}", file=sys.stderr)
+        return None
 
     size = QUICK if args.quick else FULL
     load_before = os.getloadavg()
@@ -312,7 +333,7 @@ def main(argv=None):
     data = {"size": size, "threads": args.threads, "repeat": args.repeat, "rounds": args.rounds,
             "meta": meta, "results": rows, "table_markdown": table}  # fmt: skip
     (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
-    _plot(rows, size, RESULTS / f"{stem}.png")
+    _plot(rows, size, RESULTS / f"{stem}.png", args.threads)
     print(f"wrote {RESULTS / (stem + '.json')} and .png", file=sys.stderr)
 
 

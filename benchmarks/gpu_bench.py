@@ -198,6 +198,8 @@ def build(torch, impl, softcap, dev):
 
 
 def measure(torch, fn, data, ref, args, dev, time_only=False):
+    from fused_ce_patch.numerics import relative_error as rel
+
     hidden = data["hidden"].detach().requires_grad_()
     weight = data["weight"].detach().requires_grad_()
     labels = data["labels"]
@@ -247,11 +249,6 @@ def measure(torch, fn, data, ref, args, dev, time_only=False):
     row["ms_min"] = min(times)
     row["ms_max"] = max(times)
     return row
-
-
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm())
 
 
 def sync(torch, dev):
@@ -337,29 +334,40 @@ def save(args, env, rows, plot=False):
     except ImportError:
         print("matplotlib missing: no plot")
         return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import plot_style
+
     ok = [r for r in rows if "ms" in r and r["impl"] != "cublas-3gemm"]
     shapes = list(dict.fromkeys(r["shape"] for r in ok))
-    impls = list(dict.fromkeys(r["impl"] for r in ok))
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
+    order = list(plot_style.STYLE)
+    impls = sorted(dict.fromkeys(r["impl"] for r in ok),
+                   key=lambda i: order.index(i) if i in order else len(order))  # fmt: skip
+    dims = {r["shape"]: r for r in ok}
+    ticks = [f"{s}\nN={dims[s]['N']:,}\nV={dims[s]['V']:,}" for s in shapes]
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6))
     width = 0.8 / max(len(impls), 1)
-    for k, (key, label, log) in enumerate((("ms", "fwd+bwd ms (median)", False),
-                                            ("extra_mib", "extra memory MiB", True))):  # fmt: skip
+    for k, (key, label) in enumerate((("ms", "forward + backward, ms (median)"),
+                                      ("extra_mib", "memory beyond inputs and gradients, MiB"))):  # fmt: skip
         ax = axes[k]
-        measured = False
+        every = []
         for i, impl in enumerate(impls):
             vals = [next((r.get(key, math.nan) for r in ok
                           if r["shape"] == s and r["impl"] == impl), math.nan)
                     for s in shapes]  # fmt: skip  (NaN: not measured, no bar)
-            measured = measured or any(not math.isnan(x) for x in vals)
+            every += vals
             ax.bar([j + i * width for j in range(len(shapes))], [max(x, 0.1) for x in vals],
-                   width, label=impl)  # fmt: skip
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, rotation=20)
-        ax.set_ylabel(label)
-        if log and measured:  # a CPU dry run measures no memory: a log axis of NaNs fails
+                   width, label=plot_style.name(impl), color=plot_style.colour(impl))  # fmt: skip
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], ticks, fontsize=8)
+        ax.set_ylabel(label + (" (log scale)" if plot_style.wants_log_axis(every) else ""))
+        if plot_style.wants_log_axis(every):  # one bar would dwarf the rest on a linear axis
             ax.set_yscale("log")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"{env.get('gpu', env['device'])}, torch {env['torch']}, triton {env['triton']}")
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8)
+    fig.suptitle(
+        f"Linear + cross-entropy, bf16 inputs, N tokens x vocabulary V (per group); "
+        f"{env.get('gpu', env['device'])}, torch {env['torch']}, triton {env['triton']}"
+    )
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(os.path.join(args.out, f"{args.tag}.png"), dpi=110)
 
 

@@ -15,8 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fused_ce_patch import AutoFusedCEForCausalLM, LogitsNotMaterializedError
+from fused_ce_patch.numerics import relative_error
 from fused_ce_patch.demo.data import pack_blocks, read_texts
-from fused_ce_patch.demo.models import resolve_model
+from fused_ce_patch.demo import local_model_path
 
 
 def main() -> None:
@@ -24,7 +25,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     args = parser.parse_args()
 
-    model_dir, _ = resolve_model("smollm2")
+    model_dir = local_model_path("smollm2")  # real weights, offline
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoFusedCEForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     stock = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -41,7 +42,7 @@ def main() -> None:
     stock_out.loss.backward()
     grad_f = model.get_output_embeddings().weight.grad
     grad_s = stock.get_output_embeddings().weight.grad
-    rel = ((grad_f - grad_s).norm() / grad_s.norm()).item()
+    rel = relative_error(grad_f, grad_s)
     print(f"loss fused {fused_out.loss.item():.6f}  stock {stock_out.loss.item():.6f}")
     print(f"lm_head gradient, relative difference: {rel:.1e}")
 

@@ -2,6 +2,8 @@
 
     python examples/peft_lora.py [--steps 3] [--seq-len 64] [--batch-size 2]
 
+Needs PEFT (``pip install 'fused_ce_patch[peft]'``; the ``[test]`` extra includes it).
+
 ``apply_fused_ce`` looks through the ``PeftModel`` to the causal LM inside and patches that
 instance (before or after ``get_peft_model``, either order works). LoRA here adapts the
 attention projections; the lm_head stays frozen and the fused loss reads its weight through
@@ -14,7 +16,12 @@ import argparse
 import tempfile
 
 import torch
-from peft import LoraConfig, get_peft_model
+
+try:
+    from peft import LoraConfig, get_peft_model
+except ImportError:  # an optional dependency of fused_ce_patch
+    raise SystemExit("this example needs PEFT: pip install 'fused_ce_patch[peft]'") from None
+
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -25,7 +32,7 @@ from transformers import (
 
 from fused_ce_patch import apply_fused_ce
 from fused_ce_patch.demo.data import pack_blocks, read_texts
-from fused_ce_patch.demo.models import resolve_model
+from fused_ce_patch.demo import local_model_path
 
 
 def main() -> None:
@@ -35,7 +42,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     args = parser.parse_args()
 
-    model_dir, _ = resolve_model("smollm2")
+    model_dir = local_model_path("smollm2")  # real weights, offline
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     lora = LoraConfig(

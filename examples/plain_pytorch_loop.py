@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fused_ce_patch import fused_linear_cross_entropy
 from fused_ce_patch.demo.data import pack_blocks, read_texts
-from fused_ce_patch.demo.models import resolve_model
+from fused_ce_patch.demo import local_model_path
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model_dir, _ = resolve_model("smollm2")
+    model_dir = local_model_path("smollm2")  # real weights, offline
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
@@ -40,8 +40,9 @@ def main() -> None:
         loss = fused_linear_cross_entropy(
             hidden,
             model.lm_head.weight,  # [V, H]; tied to the embedding in SmolLM2
-            input_ids,  # labels; shift=True drops the first and the last position's target
-            shift=True,
+            input_ids,  # labels = the input ids ...
+            shift=True,  # ... so shift=True is REQUIRED: position t predicts token t+1
+            # (without it the call is a different loss, predicting each token from itself).
         )
         if step == 1:
             with torch.no_grad():

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, default_d
 
 from fused_ce_patch import FusedCECallback, FusedCETrainingArguments
 from fused_ce_patch.demo.data import pack_blocks, read_texts
-from fused_ce_patch.demo.models import resolve_model
+from fused_ce_patch.demo import local_model_path
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     args = parser.parse_args()
 
-    model_dir, _ = resolve_model("smollm2")
+    model_dir = local_model_path("smollm2")  # real weights, offline
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 

@@ -1,7 +1,7 @@
 """fused_ce_patch: the causal-LM training loss straight from the last hidden states and the
 lm_head weight, without materialising the ``[tokens, vocab]`` logits.
 
-Public names (DESIGN.md §2). The Hugging Face integration is imported on first use, so
+Public names (docs/design.md §2). The Hugging Face integration is imported on first use, so
 ``import fused_ce_patch`` does not import transformers.
 """
 

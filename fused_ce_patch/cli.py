@@ -1,33 +1,50 @@
-"""Command line: ``python -m fused_ce_patch {demo,doctor}`` (also installed as ``fused-ce-patch``).
+"""Command line: ``fused-ce-patch {demo,doctor,model-path}`` (also ``python -m fused_ce_patch``).
 
 ``demo`` fine-tunes a real model with the fused loss and then stock, and prints a side-by-side
 table of loss per step, peak memory and tokens/s. ``doctor`` reports versions, devices, the
 backend ``"auto"`` picks, and a numeric check of every backend that can run here.
+``model-path`` prints the local directory of a packaged model's real weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of both sub-commands."""
+def program_name(argv0: str | None = None) -> str:
+    """How the user started us: ``fused-ce-patch`` (the script) or ``python -m fused_ce_patch``."""
+    name = os.path.basename(argv0 if argv0 is not None else (sys.argv[0] if sys.argv else ""))
+    if not name or name in ("__main__.py", "-m", "-c") or name.endswith(".py"):
+        return "python -m fused_ce_patch"
+    return name
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser of every sub-command."""
+    from . import __version__
     from .demo.compare import DemoOptions
 
     defaults = DemoOptions()
     parser = argparse.ArgumentParser(
-        prog="python -m fused_ce_patch",
+        prog=prog or program_name(),
         description="Fused linear cross-entropy for Hugging Face causal LMs: demo and checks.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,doctor}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{demo,doctor,model-path}"
+    )
 
     demo = sub.add_parser(
         "demo",
@@ -50,9 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rows per optimizer step (default: %(default)s)")
     demo.add_argument("--steps", type=_positive, default=defaults.steps,
                       help="optimizer steps per run (default: %(default)s)")
-    demo.add_argument("--backend", default=defaults.backend,
-                      help="backend of the fused loss: auto, torch, triton, ascend, reference "
-                      "(default: %(default)s)")
+    demo.add_argument("--backend", default=defaults.backend, choices=_backend_choices(),
+                      metavar="BACKEND",
+                      help="backend of the fused loss: auto, torch, triton, ascend, reference; "
+                      "the demo trains on the CPU, so triton and ascend are refused unless "
+                      "they can run there (default: %(default)s)")
     demo.add_argument("--data", default=defaults.data,
                       help="training text: a .txt file, a .jsonl file with a \"text\" field per "
                       "line, or a directory of text files (default: /usr/share/common-licenses)")
@@ -62,6 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seed of both runs (default: %(default)s)")
     demo.add_argument("--json", default=None, metavar="PATH",
                       help="also write every number of the comparison to PATH as JSON")
+    demo.set_defaults(demo_parser=demo)
+
+    model_path = sub.add_parser(
+        "model-path",
+        help="print the local directory of a packaged model (dequantised and cached on first use)",
+        description=(
+            "Print the local Hugging Face directory holding a packaged model's real weights, "
+            "for from_pretrained(...) with no network. Same as "
+            "fused_ce_patch.demo.local_model_path(NAME)."
+        ),
+    )
+    model_path.add_argument("name", nargs="?", default="smollm2",
+                            help="smollm2 or gemma3-270m (default: %(default)s)")
 
     sub.add_parser(
         "doctor",
@@ -75,23 +107,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _backend_choices() -> tuple[str, ...]:
+    from .backends import backend_names
+
+    return backend_names()
+
+
+def _demo_backend_problem(name: str) -> str | None:
+    """Why ``--backend name`` cannot run the demo (float32 on the CPU), or None if it can."""
+    import torch
+
+    from .backends.registry import resolve
+    from .errors import BackendUnavailableError
+
+    try:
+        resolve(name, torch.device("cpu"), torch.float32)
+    except (BackendUnavailableError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "doctor":
         from .demo.doctor import run_doctor
 
         return run_doctor()
 
-    from .backends import backend_names
-    from .demo.compare import DemoOptions, run_demo
     from .demo.data import DataError
     from .demo.models import ModelNotFoundError
 
-    if args.backend not in backend_names():
-        print(f"--backend {args.backend!r}: choose from {', '.join(backend_names())}",
-              file=sys.stderr)
-        return 2
+    if args.command == "model-path":
+        from .demo.models import local_model_path
+
+        try:
+            path = local_model_path(args.name, quiet=True)
+        except ModelNotFoundError as exc:
+            print(f"{parser.prog} model-path: error: {exc}", file=sys.stderr)
+            return 2
+        print(path)
+        return 0
+
+    from .demo.compare import DemoOptions, run_demo
+
+    problem = _demo_backend_problem(args.backend)
+    if problem:
+        args.demo_parser.error(f"argument --backend: {problem}")
     options = DemoOptions(
         model=args.model,
         seq_len=args.seq_len,
@@ -106,5 +169,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_demo(options)
     except (ModelNotFoundError, DataError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"{parser.prog} demo: error: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ from torch import nn
 
 from . import backends
 from .backends.base import LossSpec, Problem
+from .types import BackendName, Reduction
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -25,14 +26,14 @@ def fused_linear_cross_entropy(
     *,
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
-    reduction: str = "mean",
+    reduction: Reduction = "mean",
     num_items_in_batch: int | torch.Tensor | None = None,
     shift: bool = False,
     softcap: float | None = None,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     logits_budget: int | None = None,
-    backend: str = "auto",
+    backend: BackendName = "auto",
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` without storing the
     ``[N, V]`` logits.
@@ -64,8 +65,10 @@ def fused_linear_cross_entropy(
             rather than NaN.
             Not allowed with ``reduction="none"``.
         shift: causal shift: position ``t`` predicts ``labels[..., t + 1]``; the last position
-            of each sequence predicts nothing. Leave False for labels that are already shifted
-            (transformers' ``shift_labels``).
+            of each sequence predicts nothing. **Pass True when ``labels`` are the input ids**
+            (the usual causal-LM call): without it the result is a different loss, and no
+            check can tell (pre-shifted labels look the same). Leave False for labels that are
+            already shifted (transformers' ``shift_labels``).
         softcap: final-logit softcapping ``c > 0`` (Gemma-2 uses 30), or None.
         label_smoothing: ``eps`` in ``[0, 1]``, torch's definition.
         z_loss: ``lambda >= 0`` of the PaLM z-loss ``lambda * LSE**2`` (Chowdhery et al.,
@@ -150,13 +153,13 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         self,
         *,
         ignore_index: int = -100,
-        reduction: str = "mean",
+        reduction: Reduction = "mean",
         shift: bool = False,
         softcap: float | None = None,
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,
         logits_budget: int | None = None,
-        backend: str = "auto",
+        backend: BackendName = "auto",
     ):
         super().__init__()
         _check_options(reduction, backend, None, softcap, label_smoothing, z_loss, logits_budget)

@@ -4,7 +4,7 @@ Every test that asks for ``seed`` (the core suites do, module-wide, with ``one_t
 torch's global RNG seeded from ``os.urandom``; the seed is printed, so pytest shows it with any
 failure. Set ``FUSED_CE_TEST_SEED=<int>`` to replay one.
 
-``oracle`` is the plain-torch float64 definition of the loss (DESIGN.md §1): materialised
+``oracle`` is the plain-torch float64 definition of the loss (docs/design.md §1): materialised
 float64 logits, softcap, ``F.cross_entropy`` with torch's label smoothing, the PaLM z-loss,
 transformers' reductions. Tests compare every backend against it, never against a backend.
 """
@@ -17,6 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+
+from fused_ce_patch.numerics import relative_error
 
 
 @pytest.fixture
@@ -51,7 +53,7 @@ def oracle_loss(
     label_smoothing=0.0,
     z_loss=0.0,
 ):
-    """The loss of DESIGN.md §1 in float64, differentiable w.r.t. the float64 inputs given.
+    """The loss of docs/design.md §1 in float64, differentiable w.r.t. the float64 inputs given.
 
     Inputs of another dtype are upcast first (a differentiable cast), so gradients reach
     them too. Returns float64.
@@ -85,14 +87,7 @@ def oracle_loss(
     return total
 
 
-def rel_err(a, b) -> float:
-    """``||a - b|| / ||b||`` over the whole tensor, in float64 (0 when both are zero)."""
-    a, b = a.detach().double(), b.detach().double()
-    den = b.norm()
-    num = (a - b).norm()
-    if den == 0:
-        return float(num)
-    return float(num / den)
+rel_err = relative_error  # ``||a - b|| / ||b||`` in float64: fused_ce_patch.numerics
 
 
 @pytest.fixture(scope="session")

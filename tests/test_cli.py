@@ -55,9 +55,72 @@ def test_bad_numbers_are_usage_errors(bad, capsys):
 
 
 def test_unknown_backend_is_refused_before_any_work(capsys):
-    assert cli.main(["demo", "--backend", "cuda-magic"]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--backend", "cuda-magic"])
+    assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "cuda-magic" in err and "torch" in err
+
+
+def test_backend_that_cannot_run_on_cpu_is_one_usage_error(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(compare, "run_demo", lambda options: pytest.fail("the demo started"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--backend", "triton"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --backend" in err and "triton" in err and "Traceback" not in err
+    assert err.count("error:") == 1
+
+
+def test_non_number_says_what_was_expected(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--seq-len", "abc"])
+    err = capsys.readouterr().err
+    assert "--seq-len: expected a positive integer, got 'abc'" in err
+    assert "_positive" not in err
+
+
+def test_version(capsys):
+    from fused_ce_patch import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert __version__ in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv0", "prog"),
+    [
+        ("/venv/bin/fused-ce-patch", "fused-ce-patch"),
+        ("/repo/fused_ce_patch/__main__.py", "python -m fused_ce_patch"),
+        ("", "python -m fused_ce_patch"),
+    ],
+)
+def test_program_name_follows_how_it_was_started(argv0, prog):
+    assert cli.program_name(argv0) == prog
+
+
+def test_model_path_unknown_name_is_an_error(capsys):
+    assert cli.main(["model-path", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "smollm2" in err
+
+
+def test_short_text_is_repeated_and_the_caller_is_told():
+    class Tok:
+        eos_token_id = 0
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    told = []
+    blocks = data.pack_blocks(Tok(), ["abc"], 4, 3, on_repeat=lambda *a: told.append(a))
+    assert blocks.shape == (3, 4) and told == [(4, 12)]
+    told.clear()
+    data.pack_blocks(Tok(), ["abcdefghijklmnop"], 4, 3, on_repeat=lambda *a: told.append(a))
+    assert told == []
 
 
 def test_unknown_model_is_refused(capsys, tmp_path):
@@ -237,15 +300,23 @@ def test_demo_end_to_end_on_smollm2_with_user_data(tmp_path):
     assert "'loss':" in proc.stdout + proc.stderr
 
 
-def test_busy_cpu_gets_passive_openmp_for_both_runs(monkeypatch):
+def test_both_runs_get_passive_openmp_unless_the_user_chose(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.setattr(compare.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(compare.os, "getloadavg", lambda: (0.5, 0.5, 0.5))
     env, note = compare.child_environment()
-    assert "OMP_WAIT_POLICY" not in env and note is None
-    monkeypatch.setattr(compare.os, "getloadavg", lambda: (3.5, 3.0, 2.0))
-    env, note = compare.child_environment()
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "3.5" in note
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "PASSIVE" in note
+    assert "OMP_WAIT_POLICY" not in os.environ  # only the children's environment
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice wins
     env, note = compare.child_environment()
     assert env["OMP_WAIT_POLICY"] == "ACTIVE" and note is None
+
+
+@pytest.mark.slow
+def test_model_path_prints_the_local_directory_of_the_real_weights():
+    from fused_ce_patch.demo import local_model_path
+
+    proc = run_cli("model-path", "smollm2", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    path = proc.stdout.strip()
+    assert os.path.isfile(os.path.join(path, "config.json"))
+    assert os.path.isfile(os.path.join(path, "model.safetensors"))
+    assert str(local_model_path("smollm2")) == path

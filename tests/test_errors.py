@@ -1,4 +1,4 @@
-"""DESIGN.md §5 errors, option validation, and the backend registry (DESIGN.md §3).
+"""docs/design.md §3 errors, option validation, and the backend registry (docs/design.md §4).
 
 NaN/inf propagation is part of the per-backend suite (``tests/backends/semantics.py``,
 ``test_nonfinite_inputs_propagate``), so it runs on every backend.
@@ -316,7 +316,7 @@ def test_explicit_backend_that_cannot_run_raises(clean_registry):
     clean_registry.register(PickyBackend())
     with pytest.raises(BackendUnavailableError, match="float16 only"):
         flce(hidden, weight, labels, backend="picky")
-    # a name of DESIGN.md §2 whose module did not register (here: removed for the test)
+    # a name of docs/design.md §2 whose module did not register (here: removed for the test)
     clean_registry._REGISTRY.pop("triton", None)
     with pytest.raises(BackendUnavailableError, match="triton"):
         flce(hidden, weight, labels, backend="triton")

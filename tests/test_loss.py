@@ -1,4 +1,4 @@
-"""The public loss API (DESIGN.md §2): signature, the module form, transformers' causal-LM
+"""The public loss API (docs/design.md §2): signature, the module form, transformers' causal-LM
 loss semantics, autocast, and the cost of validation. Numerical semantics per backend live in
 ``tests/backends/`` (the shared suite in ``semantics.py``)."""
 

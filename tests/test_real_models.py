@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from fused_ce_patch.demo.data import pack_blocks, read_texts
+from fused_ce_patch.numerics import relative_error as rel
 from fused_ce_patch.demo.models import resolve_model, smollm2_gguf
 
 pytestmark = pytest.mark.slow
@@ -79,10 +80,6 @@ def stock_causal_lm_loss(model, batch) -> torch.Tensor:
         batch["labels"][:, 1:].reshape(-1),
         ignore_index=-100,
     )
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 class BackendSpy:

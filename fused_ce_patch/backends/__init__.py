@@ -1,4 +1,4 @@
-"""Backends and the registry that chooses among them (DESIGN.md §3).
+"""Backends and the registry that chooses among them (docs/design.md §4).
 
 Priority under ``"auto"``: ``triton`` (CUDA/ROCm), ``ascend`` (NPU), ``torch`` (anything);
 ``reference`` only when asked for.

@@ -92,7 +92,7 @@ class LogitsKernel:
 
 
 def finish_loss(lse, z_target, z_sum, vocab: int, spec: LossSpec, nll=None):
-    """Per-row loss from the LSE, the target logit and the sum of logits (DESIGN.md §1).
+    """Per-row loss from the LSE, the target logit and the sum of logits (docs/design.md §1).
 
     ``nll`` (``lse - z_target``) may be given when computed more precisely, e.g. as
     ``(max - z_target) + log(sumexp)``, which does not round ``lse`` first.

@@ -16,7 +16,7 @@ from .base import Backend
 
 ENV_VAR = "FUSED_CE_BACKEND"
 
-#: Names of DESIGN.md §2 that are valid even before (or where) their module registers: asking
+#: Names of docs/design.md §2 that are valid even before (or where) their module registers: asking
 #: for one that is not registered raises BackendUnavailableError, not "unknown backend".
 KNOWN_NAMES = ("triton", "ascend", "torch", "reference")
 
@@ -33,7 +33,7 @@ def register(backend: Backend) -> Backend:
 
 
 def backend_names() -> tuple[str, ...]:
-    """Names accepted by ``backend=``: ``"auto"``, the names of DESIGN.md §2, and every
+    """Names accepted by ``backend=``: ``"auto"``, the names of docs/design.md §2, and every
     registered backend."""
     return ("auto", *KNOWN_NAMES, *(n for n in _REGISTRY if n not in KNOWN_NAMES))
 

@@ -10,4 +10,10 @@ Modules:
 
 Nothing here is imported by ``import fused_ce_patch``; the demo needs transformers and, for
 the packaged models, ``gguf``.
+
+Public: :func:`local_model_path` — the offline directory of the real weights the demo uses.
 """
+
+from .models import ModelNotFoundError, local_model_path
+
+__all__ = ["local_model_path", "ModelNotFoundError"]

@@ -66,7 +66,9 @@ def read_texts(path: str | Path | None = None) -> list[str]:
     return texts
 
 
-def pack_blocks(tokenizer, texts: list[str], seq_len: int, n_blocks: int) -> torch.Tensor:
+def pack_blocks(
+    tokenizer, texts: list[str], seq_len: int, n_blocks: int, *, on_repeat=None
+) -> torch.Tensor:
     """Tokenise ``texts`` and cut the stream into ``n_blocks`` rows of ``seq_len`` tokens.
 
     Documents are joined with the tokenizer's end-of-sequence token, the usual way to pack
@@ -78,6 +80,8 @@ def pack_blocks(tokenizer, texts: list[str], seq_len: int, n_blocks: int) -> tor
         texts: documents, in order.
         seq_len: tokens per row, ``>= 2``.
         n_blocks: rows wanted, ``>= 1``.
+        on_repeat: called as ``on_repeat(available, needed)`` (token counts) when the text is
+            too short and will be repeated, so the caller can say so.
 
     Returns:
         ``[n_blocks, seq_len]`` int64 token ids.
@@ -96,6 +100,8 @@ def pack_blocks(tokenizer, texts: list[str], seq_len: int, n_blocks: int) -> tor
     if not stream:
         raise ValueError("the text tokenises to nothing")
     repeats = -(-need // len(stream))
+    if repeats > 1 and on_repeat is not None:
+        on_repeat(len(stream), need)
     ids = torch.tensor((stream * repeats)[:need], dtype=torch.long)
     return ids.view(n_blocks, seq_len)
 

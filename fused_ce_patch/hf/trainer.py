@@ -56,6 +56,7 @@ from dataclasses import dataclass, field, make_dataclass
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..errors import FusedCEFlagError
+from ..types import BackendName
 from .forward import STATE_ATTR
 from .patch import apply_fused_ce, is_fused_ce_applied, make_options, unwrap_causal_lm
 
@@ -188,7 +189,14 @@ class FusedCECallback(TrainerCallback):
     ``skip_logits=True`` when only the loss is needed (evaluation without logits).
     """
 
-    def __init__(self, *, enabled=None, backend=None, logits_budget=None, return_logits=None):
+    def __init__(
+        self,
+        *,
+        enabled: bool | None = None,
+        backend: BackendName | None = None,
+        logits_budget: int | None = None,
+        return_logits: bool | None = None,
+    ) -> None:
         self.enabled = enabled
         self.backend = backend
         self.logits_budget = logits_budget

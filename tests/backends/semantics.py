@@ -1,4 +1,4 @@
-"""Backend-generic semantics suite: what every backend must compute (DESIGN.md §1, §2, §5).
+"""Backend-generic semantics suite: what every backend must compute (docs/design.md §1, §2, §3).
 
 Every test here takes a ``case`` fixture (which backend, which ``logits_budget``, which device,
 full or small shapes) and compares the backend with the float64 oracle of ``tests/conftest.py``
@@ -192,7 +192,7 @@ def check_against_oracle(case, oracle, hidden, weight, labels, bias=None, tol=No
     return ours, ref
 
 
-# -- DESIGN.md §1 check values --------------------------------------------------------------
+# -- docs/design.md §1 check values --------------------------------------------------------------
 
 Z = [0.0, math.log(2), math.log(3), math.log(4)]
 CHECK_VALUES = [

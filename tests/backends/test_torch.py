@@ -49,7 +49,7 @@ def test_cases_exercise_what_they_claim():
 
 def test_tile_holding_only_the_target_block():
     """Tiles of two columns: [0, ln 2] then [ln 3, ln 4] (the target's). Normalising over the
-    target's tile alone would give ln(7/3) (DESIGN.md §1)."""
+    target's tile alone would give ln(7/3) (docs/design.md §1)."""
     z = torch.tensor([[0.0, math.log(2), math.log(3), math.log(4)]], dtype=torch.float64)
     hidden = torch.ones(1, 1, dtype=torch.float64)
     labels = torch.tensor([2])

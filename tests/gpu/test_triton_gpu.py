@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fused_ce_patch import fused_linear_cross_entropy
+from fused_ce_patch.numerics import relative_error as rel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,11 +33,6 @@ def _fp32_matmul_exact():
     torch.manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
     yield
     torch.backends.cuda.matmul.allow_tf32 = prev
-
-
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def inputs(n, h, v, dtype=torch.bfloat16, bias=False, ignore=0.1, logit_std=1.0):

@@ -17,6 +17,7 @@ import copy
 import torch
 
 from fused_ce_patch.hf import loss_mapping
+from fused_ce_patch.numerics import relative_error
 
 VOCAB = 1003
 LOSS_RTOL = 1e-5
@@ -25,10 +26,7 @@ ARCHS = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text")
 GEMMA2_SOFTCAP = 30.0
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    denom = b.norm().item()
-    return (a - b).norm().item() / (denom if denom > 0 else 1.0)
+rel_err = relative_error  # ``||a - b|| / ||b||`` in float64: fused_ce_patch.numerics
 
 
 def assert_close_rel(a, b, rtol, what=""):

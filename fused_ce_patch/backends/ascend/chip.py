@@ -11,9 +11,10 @@ Detection order (first that answers wins, per field):
 
 - chip name: triton-ascend's ``driver.active.get_current_target().arch``, else
   ``torch.npu.get_device_name``.
-- UB size and double buffering: ``$ASCEND_UB_CAPACITY_BITS`` (bits; the variable Liger-Kernel
-  and flash-linear-attention read too), else the chip name looked up in :data:`CHIPS`, else
-  :data:`DEFAULT_UB_BYTES` with double buffering.
+- UB size and double buffering: ``$FUSED_CE_ASCEND_UB_CAPACITY_BITS`` (bits), else the
+  deprecated ``$ASCEND_UB_CAPACITY_BITS`` (the name Liger-Kernel and flash-linear-attention
+  read; honoured with a DeprecationWarning), else the chip name looked up in :data:`CHIPS`,
+  else :data:`DEFAULT_UB_BYTES` with double buffering.
 - core counts: ``$FUSED_CE_ASCEND_AICORES`` / ``$FUSED_CE_ASCEND_VECTORCORES``, else
   ``triton.runtime.driver.active.utils.get_device_properties(i)["num_aicore" |
   "num_vectorcore"]`` (triton-ascend's driver), else the defaults below.
@@ -34,6 +35,7 @@ triton-ascend ``third_party/ascend/backend/runtime/utils.py`` (192 KB for Ascend
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +55,9 @@ DEFAULT_UB_BYTES = 192 * 1024
 DEFAULT_AICORES = 20
 DEFAULT_VECTORCORES = 40
 
-ENV_UB_BITS = "ASCEND_UB_CAPACITY_BITS"
+ENV_UB_BITS = "FUSED_CE_ASCEND_UB_CAPACITY_BITS"
+#: The old, unprefixed name of :data:`ENV_UB_BITS`, still read when the new one is unset.
+ENV_UB_BITS_DEPRECATED = "ASCEND_UB_CAPACITY_BITS"
 ENV_AICORES = "FUSED_CE_ASCEND_AICORES"
 ENV_VECTORCORES = "FUSED_CE_ASCEND_VECTORCORES"
 
@@ -132,9 +136,23 @@ def _npu_name(index: int) -> str:
         return "npu"
 
 
+def _ub_bits() -> int | None:
+    bits = _env_int(ENV_UB_BITS)
+    if bits is None:
+        bits = _env_int(ENV_UB_BITS_DEPRECATED)
+        if bits is not None:
+            warnings.warn(
+                f"fused_ce_patch: ${ENV_UB_BITS_DEPRECATED} is deprecated here; set "
+                f"${ENV_UB_BITS} instead (it takes precedence)",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+    return bits
+
+
 def with_overrides(spec: ChipSpec) -> ChipSpec:
     """``spec`` with the environment's overrides applied (UB bits, core counts)."""
-    bits = _env_int(ENV_UB_BITS)
+    bits = _ub_bits()
     aic = _env_int(ENV_AICORES)
     aiv = _env_int(ENV_VECTORCORES)
     return ChipSpec(

@@ -61,7 +61,8 @@ class TritonBackend(Backend):
         try:
             import triton  # noqa: F401
         except Exception as exc:  # ImportError, or a broken install
-            return False, f"triton is not importable ({type(exc).__name__}: {exc})"
+            return False, (f"triton is not importable ({type(exc).__name__}: {exc}); CUDA builds "
+                           "of torch bring it, else pip install 'fused_ce_patch[triton]'")
         return True, ""
 
     def accepts(self, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:

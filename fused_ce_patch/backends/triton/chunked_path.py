@@ -59,7 +59,7 @@ class ChunkedConfig:
 
 
 #: Keep cuBLAS's split-K reductions in float32 for 16-bit matmuls (torch lets them run in the
-#: input dtype by default), as DESIGN.md asks of every reduction.
+#: input dtype by default), as docs/design.md asks of every reduction.
 FP32_REDUCTIONS = True
 
 
