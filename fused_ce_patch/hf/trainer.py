@@ -167,10 +167,32 @@ def fused_ce_config(config_cls: type) -> type:
         raise TypeError(f"fused_ce_config needs a TrainingArguments subclass, got {config_cls!r}")
     if issubclass(config_cls, FusedCEArgumentsMixin):
         return config_cls
-    cls = make_dataclass(f"FusedCE{config_cls.__name__}", [],
-                         bases=(FusedCEArgumentsMixin, config_cls))
+    name = f"FusedCE{config_cls.__name__}"
+    cls = make_dataclass(name, [], bases=(FusedCEArgumentsMixin, config_cls))
     cls.__module__ = __name__
-    return cls
+    # Trainer saves its arguments with pickle (training_args.bin): make the class findable
+    # by name here, and after a restart through __getattr__ below.
+    _GENERATED.setdefault(name, cls)
+    return _GENERATED[name]
+
+
+_GENERATED: dict = {}
+
+
+def __getattr__(name: str):
+    """``FusedCE<Config>`` for a TRL config class, created on first use (unpickling)."""
+    if name in _GENERATED:
+        return _GENERATED[name]
+    if name.startswith("FusedCE") and name.endswith("Config"):
+        try:
+            import trl
+
+            base = getattr(trl, name[len("FusedCE"):])
+        except (ImportError, AttributeError):
+            base = None
+        if isinstance(base, type) and issubclass(base, TrainingArguments):
+            return fused_ce_config(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class FusedCECallback(TrainerCallback):

@@ -140,3 +140,20 @@ def test_liger_fused_loss_conflict_is_a_short_error(tmp_path):
     model = build_model("llama")
     Trainer(model=model, args=args)
     assert is_fused_ce_applied(model)
+
+
+def test_generated_config_class_pickles(tmp_path):
+    import pickle
+    from dataclasses import dataclass
+
+    @dataclass
+    class PickleConfig(TrainingArguments):
+        pass
+
+    import sys
+
+    cfg_cls = fused_ce_config(PickleConfig)
+    args = cfg_cls(output_dir=str(tmp_path), use_fused_ce=True, use_cpu=True, report_to=[])
+    back = pickle.loads(pickle.dumps(args))  # what Trainer's training_args.bin needs
+    assert type(back) is cfg_cls and back.use_fused_ce
+    assert getattr(sys.modules["fused_ce_patch.hf.trainer"], cfg_cls.__name__) is cfg_cls
