@@ -182,13 +182,17 @@ def test_confident_rows_no_worse_than_torch(oracle, path):
     p_y = torch.softmax(hidden.double() @ weight.double().t(), 1).gather(1, labels[:, None])
     assert (p_y > 0.99).float().mean() > 0.5  # most rows confident (bf16 rounding moves some)
     grads = {}
-    for who, fn in (
-        ("ours", lambda: case.loss(hidden, weight, labels, reduction="sum")),
-        ("ref", lambda: oracle.loss(hidden, weight, labels, reduction="sum")),
+    # the oracle's gradients w.r.t. float64 copies: w.r.t. the bf16 leaves they would be
+    # rounded to bf16, and a one-ulp difference from that rounding reads as an error
+    exact = [t.detach().double().requires_grad_() for t in (hidden, weight)]
+    for who, fn, leaves in (
+        ("ours", lambda: case.loss(hidden, weight, labels, reduction="sum"), [hidden, weight]),
+        ("ref", lambda: oracle.loss(*exact, labels, reduction="sum"), exact),
         ("torch", lambda: torch.nn.functional.cross_entropy(
-            torch.nn.functional.linear(hidden, weight).float(), labels, reduction="sum")),
-    ):
-        grads[who] = torch.autograd.grad(fn(), [hidden, weight])
+            torch.nn.functional.linear(hidden, weight).float(), labels, reduction="sum"),
+         [hidden, weight]),
+    ):  # fmt: skip
+        grads[who] = torch.autograd.grad(fn(), leaves)
     for ours, ref, theirs in zip(grads["ours"], grads["ref"], grads["torch"]):
         assert oracle.rel_err(ours, ref) <= 1.25 * oracle.rel_err(theirs, ref) + 1e-6
 
