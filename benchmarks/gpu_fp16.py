@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -56,7 +55,9 @@ def main():
     if args.tiny:
         os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, os.getcwd())
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch
+    from gpu_bench import environment
 
     dev = "cpu" if args.tiny else "cuda"
     shapes = TINY if args.tiny else {k: SHAPES[k] for k in args.shapes.split(",")}
@@ -173,22 +174,6 @@ def fmt_row(r):
         return f"{head} ERROR {r['error']}"
     return (f"{head} {r['ms']:9.2f} ms  dH {r['err_dh']:.2e} (zero {r['zero_dh']:.1%})  "
             f"dW {r['err_dw']:.2e} (zero {r['zero_dw']:.1%})")  # fmt: skip
-
-
-def environment(torch, dev):
-    import triton
-
-    env = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "device": dev,
-    }
-    if dev == "cuda":
-        env["gpu"] = torch.cuda.get_device_name()
-        env["cuda"] = torch.version.cuda
-    return env
 
 
 def plot(rows, path, env):

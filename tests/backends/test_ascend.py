@@ -11,7 +11,6 @@ detection and dispatch are tested in ``test_ascend_config.py``.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -21,20 +20,13 @@ if torch.cuda.is_available():
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-# Kernels become interpreted functions when their module is imported under the variable:
-# import them once here, then leave the variable as it was.
-_saved = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    from fused_ce_patch.backends.ascend import launch  # noqa: E402
-    from fused_ce_patch.backends.triton import chunked_path, zero_logits  # noqa: E402
-    from fused_ce_patch.backends.triton.launch import CUDA_LAUNCHERS  # noqa: E402
-    from fused_ce_patch.backends.triton import launch as triton_launch  # noqa: E402
-finally:
-    if _saved is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+from interpreted import import_kernels  # noqa: E402
+
+import_kernels()  # before anything else imports the kernels
+from fused_ce_patch.backends.ascend import launch  # noqa: E402
+from fused_ce_patch.backends.triton import chunked_path, zero_logits  # noqa: E402
+from fused_ce_patch.backends.triton import launch as triton_launch  # noqa: E402
+from fused_ce_patch.backends.triton.launch import CUDA_LAUNCHERS  # noqa: E402
 
 from semantics import *  # noqa: E402,F403  (collects the suite's test_* functions)
 from semantics import TOL, Case, check_against_oracle, make  # noqa: E402

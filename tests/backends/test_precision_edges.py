@@ -10,7 +10,6 @@ kernels under the Triton interpreter on CPU tensors.
 from __future__ import annotations
 
 import importlib.util
-import os
 import threading
 
 import pytest
@@ -19,17 +18,9 @@ import torch.nn.functional as F
 
 _TRITON = importlib.util.find_spec("triton") is not None and not torch.cuda.is_available()
 if _TRITON:
-    # Kernels become interpreted functions when their module is imported under the variable.
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        from fused_ce_patch.backends.ascend import launch as _ascend_launch  # noqa: F401
-        from fused_ce_patch.backends.triton import chunked_path, zero_logits  # noqa: F401
-    finally:
-        if _saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
+    from interpreted import import_kernels
+
+    import_kernels()
 
 from fused_ce_patch import fused_linear_cross_entropy  # noqa: E402
 
