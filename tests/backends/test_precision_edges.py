@@ -239,18 +239,21 @@ def test_softcap_over_the_whole_range(path, oracle, softcap):
     b = torch.randn(v).requires_grad_()
     labels = torch.randint(0, v, (2, n // 2))
     labels[0, ::5] = -100
-    # c = 0.01 saturates logits of order 1: the gradient comes from the few within a few c of
-    # zero and from slopes near float32's underflow, where any float32 path keeps ~1e-5.
-    tol = 3e-5 if softcap >= 1 else 1e-4
     ours = fused_linear_cross_entropy(hidden, weight, labels, bias=b, softcap=softcap,
                                       backend=backend, logits_budget=budget)  # fmt: skip
     ref = oracle.loss(hidden, weight, labels, bias=b, softcap=softcap)
-    assert oracle.rel_err(ours, ref) <= tol
+    # PyTorch's float32 path: c = 0.01 saturates logits of order 1, and each gradient entry's
+    # slope 4 exp(-2|z|/c) then turns the float32 rounding of z into a relative error 2/c
+    # times larger, in any float32 implementation.
+    z = F.linear(hidden, weight, b)
+    stock = F.cross_entropy((softcap * torch.tanh(z / softcap)).flatten(0, 1), labels.flatten())
+    assert oracle.rel_err(ours, ref) <= 3e-5
     leaves = [hidden, weight, b]
-    for name, a, r in zip(("dH", "dW", "db"), torch.autograd.grad(ours, leaves),
-                          torch.autograd.grad(ref, leaves)):  # fmt: skip
-        err = oracle.rel_err(a, r)
-        assert err <= tol, f"{name}: relative error {err:.3g} at softcap {softcap:g}"
+    grads = zip(("dH", "dW", "db"), torch.autograd.grad(ours, leaves),
+                torch.autograd.grad(ref, leaves), torch.autograd.grad(stock, leaves))
+    for name, a, r, s in grads:
+        err, tol = oracle.rel_err(a, r), max(3e-5, 1.25 * oracle.rel_err(s, r))
+        assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g} at softcap {softcap:g}"
 
 
 def test_softcap_on_the_reference_backend(oracle):

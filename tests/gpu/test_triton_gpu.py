@@ -222,10 +222,15 @@ def test_softcap_range_fp32(budget, softcap):
     ref = torch.autograd.grad(ref_loss, [h64, w64])
     loss = fused_linear_cross_entropy(hidden, weight, labels, softcap=softcap, backend="triton",
                                       logits_budget=budget)  # fmt: skip
+    # PyTorch's float32 path as the floor: at c = 0.01 a slope 4 exp(-2|z|/c) multiplies the
+    # float32 rounding of z by 2/c in any float32 implementation
+    stock = reference(hidden, weight, labels, softcap=softcap)
     assert rel(loss, ref_loss) <= 3e-5
-    tol = 3e-5 if softcap >= 1 else 1e-4
-    for name, g, r in zip(("dH", "dW"), torch.autograd.grad(loss, [hidden, weight]), ref):
-        assert rel(g, r) <= tol, f"{name}: {rel(g, r):.3g} at softcap {softcap:g}"
+    grads = zip(("dH", "dW"), torch.autograd.grad(loss, [hidden, weight]), ref,
+                torch.autograd.grad(stock, [hidden, weight]))
+    for name, g, r, s in grads:
+        tol = max(3e-5, SLACK * rel(s, r))
+        assert rel(g, r) <= tol, f"{name}: {rel(g, r):.3g} > {tol:.3g} at softcap {softcap:g}"
 
 
 def test_global_matmul_flags_untouched():
