@@ -2,7 +2,8 @@
 # Steps of one device call (benchmarks/NOTES_gpu.md logs each call). Usage, from the repo root
 # on the GPU machine, with the peers' wheels carried in .whl/:
 #   bash benchmarks/gpu_run.sh STEP[:SECONDS] ...
-# Steps: variants | tests | bench[=IMPLS[@SHAPES]] | e2e
+# Steps: variants | tests[=PATHS] | bench[=IMPLS[@SHAPES]] | e2e | script=NAME[@ARGS]
+#   script=NAME runs benchmarks/NAME.py --out $OUT [ARGS, commas -> spaces], log in $OUT/NAME.log
 # Every step's log and result files go to $OUT; a step over its time is stopped, the next runs.
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -24,7 +25,7 @@ for spec in "$@"; do
   case $name in
     variants) timeout "$secs" python3 benchmarks/gpu_variants.py --out "$OUT" \
                 > "$OUT/variants.log" 2>&1 ;;
-    tests)    timeout "$secs" python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+    tests)    timeout "$secs" python3 -m pytest -m gpu ${arg:-tests/gpu} -q -rA -p no:cacheprovider \
                 > "$OUT/gpu_tests.log" 2>&1 ;;
     bench)    impls=${arg%%@*}; shapes=${arg#*@}; [ "$shapes" = "$arg" ] && shapes=""
               timeout "$secs" python3 benchmarks/gpu_bench.py --out "$OUT" \
@@ -32,6 +33,9 @@ for spec in "$@"; do
                 > "$OUT/bench.log" 2>&1 ;;
     e2e)      timeout "$secs" python3 benchmarks/gpu_e2e.py --out "$OUT" \
                 > "$OUT/e2e.log" 2>&1 ;;
+    script)   sname=${arg%%@*}; sargs=${arg#*@}; [ "$sargs" = "$arg" ] && sargs=""
+              timeout "$secs" python3 "benchmarks/$sname.py" --out "$OUT" ${sargs//,/ } \
+                > "$OUT/$sname.log" 2>&1 ;;
     *) echo "unknown step $name" ;;
   esac
   echo "=== $name exit $?: $(date +%T)"

@@ -105,12 +105,6 @@ def main():
             ms = bench(fwd_bwd(hidden, weight, labels, softcap, None))
             record(q="row-kernel", shape=name, block_v=block_v, warps=warps, stages=stages, ms=ms)
         launch.row_kernel_config = original
-        # 2. float32 split-K reductions in cuBLAS (on by default) vs torch's default
-        for flag in (True, False):
-            chunked_path.FP32_REDUCTIONS = flag
-            ms = bench(fwd_bwd(hidden, weight, labels, softcap, None))
-            record(q="fp32-reductions", shape=name, on=flag, ms=ms)
-        chunked_path.FP32_REDUCTIONS = True
         # 3. stages of one chunk at the default budget, times the number of chunks
         rows = chunked_path.plan_rows(m, tb.default_budget(m) // (v * 2))
         chunks = math.ceil(m / rows)

@@ -14,12 +14,24 @@ and the log-sum-exp is accumulated with a running maximum (Milakov & Gimelshein,
 normalizer calculation for softmax", 2018), then a second pass over the tiles writes dz.
 
 Two schedules:
-- *eager* (``reduction="sum"``, grads needed, budget > 0): gradients are computed in the
-  forward pass (3 matmuls in all, as Liger-Kernel's FLCE does) and scaled by the upstream
-  gradient in backward;
-- *recompute* (``reduction="none"``, or the backend asked for it): the forward keeps only the
-  losses (and, when the vocabulary is tiled, one LSE per counted row); backward recomputes the
-  logits and honours a different upstream gradient per position.
+- *eager* (``reduction="sum"``, grads needed, budget > 0, bfloat16/float32/float64 inputs):
+  gradients are computed in the forward pass (3 matmuls in all, as Liger-Kernel's FLCE does)
+  and scaled by the upstream gradient in backward;
+- *recompute* (``reduction="none"``, float16 inputs, or the backend asked for it): the forward
+  keeps only the losses (and, when the vocabulary is tiled, one LSE per counted row); backward
+  recomputes the logits and honours the upstream gradient, one per position if need be.
+
+Why float16 recomputes (:func:`forward_grad_safe`): a gradient formed in forward is rounded
+to the input dtype at the loss's own scale (``1 / N`` for a mean), before the upstream
+gradient is known. float16 has a 5-bit exponent: at that scale most entries of ``dz`` and of
+``dH`` are subnormal or zero, and fp16 training multiplies the loss by a large factor (2**16
+for ``torch.amp.GradScaler``) precisely so that the gradient is formed at a scale where they
+are normal. Multiplying the rounded gradient afterwards rescues nothing (dH error 2e-2 at
+scale 2**16 against PyTorch's 3e-4). Recomputing forms ``dz`` at the real upstream scale, as
+PyTorch does, for one more matmul (the logits) per chunk. Scaling the forward-time gradient
+by a guessed power of two instead would overflow (dW sums over every row that shares a
+label) or flush, depending on a scale the forward cannot see. bfloat16 shares float32's
+exponent range, so its forward-time gradient keeps its precision at any upstream scale.
 
 Precision: a row's loss is ``(max - z_y) + log(sumexp)``, never ``LSE - z_y`` after rounding
 the LSE (which would cost ~1e-4 relative when p(target) ~= 0.999), and whole rows recompute
@@ -412,10 +424,19 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return (*_finalize(grads, hidden, weight, bias), None, None, None)
 
 
+def forward_grad_safe(dtype: torch.dtype) -> bool:
+    """Whether a gradient formed in forward (at the loss's own scale, rounded to ``dtype``)
+    keeps its precision once backward multiplies it by any upstream gradient: true for
+    dtypes with float32's exponent range (bfloat16, float32, float64), false for float16
+    (module docstring)."""
+    return dtype != torch.float16
+
+
 def run_chunked(problem: Problem, kernel: LogitsKernel, budget: int, eager: bool = True):
     """Run ``problem`` with the chunked algorithm under ``budget`` bytes of transient logits.
 
-    ``eager=False`` forces the recompute schedule (logits recomputed in backward).
+    ``eager=False`` forces the recompute schedule (logits recomputed in backward); float16
+    inputs always take it (:func:`forward_grad_safe`).
     """
     hidden, weight, bias = problem.hidden, problem.weight, problem.bias
     grad_on = torch.is_grad_enabled()
@@ -438,7 +459,10 @@ def run_chunked(problem: Problem, kernel: LogitsKernel, budget: int, eager: bool
         reduction=problem.reduction,
         scale=problem.scale,
         n_valid=problem.n_valid,
-        eager=eager and problem.reduction == "sum" and any(need),
+        eager=eager
+        and problem.reduction == "sum"
+        and any(need)
+        and forward_grad_safe(hidden.dtype),
         need=need,
     )
     return ChunkedLinearCrossEntropy.apply(

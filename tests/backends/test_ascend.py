@@ -11,7 +11,6 @@ detection and dispatch are tested in ``test_ascend_config.py``.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -21,19 +20,13 @@ if torch.cuda.is_available():
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-# Kernels become interpreted functions when their module is imported under the variable:
-# import them once here, then leave the variable as it was.
-_saved = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    from fused_ce_patch.backends.ascend import launch  # noqa: E402
-    from fused_ce_patch.backends.triton import chunked_path, zero_logits  # noqa: E402
-    from fused_ce_patch.backends.triton.launch import CUDA_LAUNCHERS  # noqa: E402
-finally:
-    if _saved is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+from interpreted import import_kernels  # noqa: E402
+
+import_kernels()  # before anything else imports the kernels
+from fused_ce_patch.backends.ascend import launch  # noqa: E402
+from fused_ce_patch.backends.triton import chunked_path, zero_logits  # noqa: E402
+from fused_ce_patch.backends.triton import launch as triton_launch  # noqa: E402
+from fused_ce_patch.backends.triton.launch import CUDA_LAUNCHERS  # noqa: E402
 
 from semantics import *  # noqa: E402,F403  (collects the suite's test_* functions)
 from semantics import TOL, Case, check_against_oracle, make  # noqa: E402
@@ -121,9 +114,12 @@ def test_kernels_launch_with_the_configured_blocks_and_persistent_grids(monkeypa
     """Every launch takes its blocks from launch_config and at most one program per core,
     with more rows / tiles than programs (so each program loops)."""
     grids = {}
-    for name in ("logits_grad_rows_kernel", "dhidden_rows_kernel", "target_dweight_runs_kernel",
-                 "lse_forward_tiles_kernel", "dhidden_dweight_tiles_kernel"):  # fmt: skip
-        kernel = getattr(launch, name)
+    for name in ("logits_grad_inplace_kernel", "dhidden_rows_store_kernel",
+                 "target_dweight_runs_kernel", "lse_forward_kernel",
+                 "dhidden_dweight_backward_kernel"):  # fmt: skip
+        # launched through the triton backend's argument builders, except the NPU-only one
+        module = launch if name == "target_dweight_runs_kernel" else triton_launch
+        kernel = getattr(module, name)
 
         class Recorder:
             def __init__(self, k=kernel, n=name):
@@ -136,7 +132,7 @@ def test_kernels_launch_with_the_configured_blocks_and_persistent_grids(monkeypa
 
                 return run
 
-        monkeypatch.setattr(launch, name, Recorder())
+        monkeypatch.setattr(module, name, Recorder())
     case = Case("ascend", logits_budget=budget)
     hidden, weight, labels, bias = make(case, (3, 11), 24, 97, bias=True, ignore_frac=0.1)
     loss = case.loss(hidden, weight, labels, bias=bias, reduction="none")
@@ -145,26 +141,29 @@ def test_kernels_launch_with_the_configured_blocks_and_persistent_grids(monkeypa
     spec = chip_mod.INTERPRETER
     cfg = config_mod.launch_config(int((labels != -100).sum()), 24, 97,
                                               torch.float32, spec)  # fmt: skip
-    path = (["lse_forward_tiles_kernel", "dhidden_dweight_tiles_kernel", "dhidden_rows_kernel"]
-            if budget == 0 else ["logits_grad_rows_kernel"])  # fmt: skip
+    path = (["lse_forward_kernel", "dhidden_dweight_backward_kernel", "dhidden_rows_store_kernel"]
+            if budget == 0 else ["logits_grad_inplace_kernel"])  # fmt: skip
     for name in path + ["target_dweight_runs_kernel"]:
         assert name in grids, (name, sorted(grids))
     for name, launches in grids.items():
         for grid, kw in launches:
             assert len(grid) == 1
-            tiled = name in ("lse_forward_tiles_kernel", "dhidden_dweight_tiles_kernel")
+            tiled = name in ("lse_forward_kernel", "dhidden_dweight_backward_kernel")
             assert grid[0] <= (spec.aicores if tiled else spec.vectorcores)
-            if name == "logits_grad_rows_kernel":
+            if name == "logits_grad_inplace_kernel":
                 assert kw["BLOCK_V"] == cfg.rows.block
-            elif name == "lse_forward_tiles_kernel":
+            elif name == "lse_forward_kernel":
                 assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"]) == (
                     cfg.forward.block_m, cfg.forward.block_n, cfg.forward.block_k)
-            elif name == "dhidden_dweight_tiles_kernel":
+            elif name == "dhidden_dweight_backward_kernel":
                 assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_H"]) == (
                     cfg.backward.block_m, cfg.backward.block_n, cfg.backward.block_h)
             else:
                 assert kw["BLOCK_H"] == cfg.rowwise.block
             assert "num_warps" not in kw and "num_stages" not in kw
+            # one kernel source with the CUDA backend: the NPU's switches are what differ
+            assert kw.get("PERSISTENT", True) is True
+            assert kw.get("LANE_SUMS", False) is False and kw.get("FRESH_OPERANDS", True)
 
 
 @pytest.mark.parametrize("budget", [0, SMALL_BUDGET], ids=["zero-logits", "chunked"])

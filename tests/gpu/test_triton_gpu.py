@@ -174,3 +174,73 @@ def test_auto_picks_triton_for_cuda(monkeypatch):
     hidden, weight, labels, _ = inputs(64, 64, 1000)
     fused_linear_cross_entropy(hidden, weight, labels)
     assert calls and triton_backend.TritonBackend.name == "triton"
+
+
+# -- issue 9: loss scaling, softcap range, no global flags ---------------------------------
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["chunked", "zero-logits"])
+@pytest.mark.parametrize("scale", [1.0, 2.0**16, 2.0**24, 2.0**-6])
+def test_fp16_loss_scaling(budget, scale):
+    """fp16, ``(loss * scale).backward()``, gradients / scale: no worse than PyTorch's path at
+    every scale (the forward-time gradient rounded at 1/N was 2e-2 off at 2**16)."""
+    n, h, v = 8192, 256, 32000
+    hidden = torch.randn(n, h, device="cuda").half().requires_grad_()
+    weight = (torch.randn(v, h, device="cuda") * 0.02).half().requires_grad_()
+    labels = torch.randint(0, v, (n,), device="cuda")
+    labels[torch.rand(n, device="cuda") < 0.1] = -100
+    grads = {}
+    for who, fn in (
+        ("ours", lambda: fused_linear_cross_entropy(hidden, weight, labels, backend="triton",
+                                                    logits_budget=budget)),  # fmt: skip
+        ("torch", lambda: reference(hidden, weight, labels, upcast=False)),
+    ):
+        grads[who] = torch.autograd.grad(fn() * scale, [hidden, weight])
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    ref = torch.autograd.grad(F.cross_entropy(h64 @ w64.t(), labels), [h64, w64])
+    for name, ours, theirs, r in zip(("dH", "dW"), grads["ours"], grads["torch"], ref):
+        if not torch.isfinite(theirs).all():
+            continue  # PyTorch overflows too (GradScaler skips the step)
+        assert torch.isfinite(ours).all(), name
+        e, e_torch = rel(ours.double() / scale, r), rel(theirs.double() / scale, r)
+        assert e <= SLACK * e_torch + 1e-5, f"{name}: {e:.3g} vs torch's {e_torch:.3g}"
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["chunked", "zero-logits"])
+@pytest.mark.parametrize("softcap", [1e-2, 1.0, 30.0, 1e4, 1e8])
+def test_softcap_range_fp32(budget, softcap):
+    """``c * tanh(z / c)`` accurate whatever the cap (1e-2: saturated; 1e8: |z| << c)."""
+    n, h, v = 1024, 256, 32003
+    hidden, weight, labels, _ = inputs(n, h, v, torch.float32)
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    z = h64 @ w64.t()
+    ref_loss = F.cross_entropy(softcap * torch.tanh(z / softcap), labels)
+    ref = torch.autograd.grad(ref_loss, [h64, w64])
+    loss = fused_linear_cross_entropy(hidden, weight, labels, softcap=softcap, backend="triton",
+                                      logits_budget=budget)  # fmt: skip
+    # PyTorch's float32 path as the floor: at c = 0.01 a slope 4 exp(-2|z|/c) multiplies the
+    # float32 rounding of z by 2/c in any float32 implementation
+    stock = reference(hidden, weight, labels, softcap=softcap)
+    assert rel(loss, ref_loss) <= 3e-5
+    grads = zip(("dH", "dW"), torch.autograd.grad(loss, [hidden, weight]), ref,
+                torch.autograd.grad(stock, [hidden, weight]))
+    for name, g, r, s in grads:
+        tol = max(3e-5, SLACK * rel(s, r))
+        assert rel(g, r) <= tol, f"{name}: {rel(g, r):.3g} > {tol:.3g} at softcap {softcap:g}"
+
+
+def test_global_matmul_flags_untouched():
+    """Precision is asked of the matmuls; torch's process-wide flags are never written."""
+    mm = torch.backends.cuda.matmul
+    names = ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
+    before = tuple(getattr(mm, f) for f in names)
+    try:
+        for value in (True, False):
+            for f in names:
+                setattr(mm, f, value)
+            hidden, weight, labels, _ = inputs(512, 256, 4099, torch.float16)
+            fused_linear_cross_entropy(hidden, weight, labels, backend="triton").backward()
+            assert tuple(getattr(mm, f) for f in names) == (value, value)
+    finally:
+        for f, v in zip(names, before):
+            setattr(mm, f, v)

@@ -10,10 +10,10 @@ the same way (:func:`~fused_ce_patch.backends.triton.run_paths`):
   logit tiles live on chip only; forward keeps one float32 LSE per counted row, backward
   recomputes.
 
-What is NPU-specific is the launch: the drivers call this backend's kernels (:mod:`.kernels`,
-restricted to what triton-ascend supports) through :class:`~.launch.AscendLaunchers`, with
-block sizes derived from the chip's Unified Buffer and persistent grids of one program per AI /
-vector core (:mod:`.config`). float64 inputs run the ``torch`` backend's chunked algorithm.
+What is NPU-specific is the launch: the drivers call the ``triton`` backend's kernels
+(``triton/kernels.py``, restricted to what triton-ascend supports, with compile-time switches
+for the NPU) through :class:`~.launch.AscendLaunchers`, with block sizes derived from the
+chip's Unified Buffer and persistent grids of one program per AI / vector core (:mod:`.config`). float64 inputs run the ``torch`` backend's chunked algorithm.
 
 Availability: ``torch_npu`` and triton-ascend must import; neither is imported until a call
 needs them (``import fused_ce_patch`` stays light). ``"auto"`` picks this backend for ``npu``

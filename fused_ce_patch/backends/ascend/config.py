@@ -75,7 +75,7 @@ def _total(buffers, multibuffer: bool) -> int:
 
 
 def row_kernel_buffers(block_v: int, elem: int):
-    """Live set of :func:`~.kernels.logits_grad_rows_kernel` at its peak (gradient pass with
+    """Live set of ``logits_grad_inplace_kernel`` at its peak (gradient pass with
     softcap and label smoothing): the loaded block and its float32 copy, two softcap
     temporaries, the exponential / gradient, the block cast back for the store, column
     indices and two masks."""
@@ -92,7 +92,7 @@ def row_kernel_buffers(block_v: int, elem: int):
 
 
 def forward_tile_buffers(block_m: int, block_n: int, elem: int):
-    """Live set of :func:`~.kernels.lse_forward_tiles_kernel` on the vector side: the float32
+    """Live set of ``lse_forward_kernel`` on the vector side: the float32
     logit tile from the cube, two softcap temporaries, the exponential, one ``where``
     temporary, two masks, the bias block and the per-row running statistics."""
     return (
@@ -107,7 +107,7 @@ def forward_tile_buffers(block_m: int, block_n: int, elem: int):
 
 
 def backward_tile_buffers(block_m: int, block_n: int, block_h: int, elem: int):
-    """Live set of :func:`~.kernels.dhidden_dweight_tiles_kernel` on the vector side: the
+    """Live set of ``dhidden_dweight_backward_kernel`` on the vector side: the
     float32 logit tile, its gradient, two softcap temporaries, the exponential, a mask, the
     gradient in the input dtype and the fresh copy fed to each ``tl.dot``, and the two float32
     products (``dz @ W`` and ``dz.T @ h``) that are added into the accumulators."""
@@ -126,8 +126,8 @@ def backward_tile_buffers(block_m: int, block_n: int, block_h: int, elem: int):
 
 
 def rowwise_buffers(block_h: int, elem: int):
-    """Live set of the row-wise ``H`` kernels (:func:`~.kernels.dhidden_rows_kernel`,
-    :func:`~.kernels.target_dweight_runs_kernel`): a float32 accumulator, two loaded rows and
+    """Live set of the row-wise ``H`` kernels (``dhidden_rows_store_kernel``,
+    ``target_dweight_runs_kernel``): a float32 accumulator, two loaded rows and
     their float32 copies, the destination row and its copy, the cast for the store, column
     indices and a mask."""
     return (
@@ -169,11 +169,11 @@ class LaunchConfig:
     Attributes:
         chip: the chip it was derived for.
         ub_budget: bytes the estimated live set of any kernel may take.
-        rows: :func:`~.kernels.logits_grad_rows_kernel` (``block`` = ``BLOCK_V``).
-        forward: :func:`~.kernels.lse_forward_tiles_kernel`.
-        backward: :func:`~.kernels.dhidden_dweight_tiles_kernel`.
-        rowwise: :func:`~.kernels.dhidden_rows_kernel` and
-            :func:`~.kernels.target_dweight_runs_kernel` (``block`` = ``BLOCK_H``).
+        rows: ``logits_grad_inplace_kernel`` (``block`` = ``BLOCK_V``).
+        forward: ``lse_forward_kernel``.
+        backward: ``dhidden_dweight_backward_kernel``.
+        rowwise: ``dhidden_rows_store_kernel`` and
+            ``target_dweight_runs_kernel`` (``block`` = ``BLOCK_H``).
     """
 
     chip: ChipSpec

@@ -1,6 +1,8 @@
-"""The ascend kernels behind the ``triton`` backend's drivers: :class:`AscendLaunchers`, the
-:class:`~fused_ce_patch.backends.triton.launch.Launchers` of backend ``"ascend"``, launches
-them with the blocks and grids of a :class:`~.config.LaunchConfig`.
+"""The ``triton`` backend's kernels launched for the NPU: :class:`AscendLaunchers`, the
+:class:`~fused_ce_patch.backends.triton.launch.Launchers` of backend ``"ascend"``, runs
+``backends/triton/kernels.py`` with persistent grids, the blocks of a
+:class:`~.config.LaunchConfig` and the device switches triton-ascend needs (that module's
+docstring lists them and why).
 
 The drivers (``triton/chunked_path.py``, ``triton/zero_logits.py``) are shared: matmuls,
 chunking, accumulators and roundings are the same on both backends; only these launches
@@ -16,25 +18,32 @@ from typing import NamedTuple
 
 import torch
 
-from ..triton.launch import scale_args, triton_cdiv
-from .config import LaunchConfig
-from .kernels import (
-    dhidden_dweight_tiles_kernel,
-    dhidden_rows_kernel,
-    logits_grad_rows_kernel,
-    lse_forward_tiles_kernel,
-    target_dweight_runs_kernel,
+from ..triton.kernels import target_dweight_runs_kernel
+from ..triton.launch import (
+    launch_dhidden_dweight_backward,
+    launch_dhidden_rows,
+    launch_lse_forward,
+    launch_logits_grad,
+    triton_cdiv,
 )
+from .config import LaunchConfig
 
 
-def _bf16_interpreted(dtype: torch.dtype) -> bool:
-    """bfloat16 in the interpreter: its ``tl.dot`` and its casts to bfloat16 need the
-    workarounds ``DOT_F32`` / ``RNE_BF16`` (kernels module docstring)."""
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+def _interpreted() -> bool:
+    """Under the interpreter: ``tl.dot`` and casts to bfloat16 need the workarounds ``UPCAST``
+    / ``FIX_RNE`` (kernels module docstring); off on the NPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+#: The kernels' device switches on triton-ascend (``backends/triton/kernels.py`` docstring).
+_NPU = dict(PERSISTENT=True)
+_NPU_ROWS = dict(_NPU, LANE_SUMS=False, NUM_STAGES=1)
+_NPU_TILES = dict(_NPU, DOT_PRECISION="ieee", ROW_ALIGN=1)
+_NPU_ATOMICS = dict(FRESH_OPERANDS=True, ATOMIC_SEM="acq_rel")
 
 
 class LabelRuns(NamedTuple):
-    """Counted rows grouped by label, for :func:`~.kernels.target_dweight_runs_kernel`: run
+    """Counted rows grouped by label, for ``target_dweight_runs_kernel``: run
     ``k`` (label ``labels[k]``) is the sorted positions ``[starts[k], starts[k + 1])``, and
     ``order[j]`` the row at sorted position ``j``."""
 
@@ -52,48 +61,25 @@ class AscendLaunchers:
 
     def logits_grad(self, z, labels, lse, nll, loss, coef, scale, spec, *, compute_lse,
                     write_grad):  # fmt: skip
-        """:func:`~.kernels.logits_grad_rows_kernel` over the ``[r, V]`` chunk ``z``."""
-        r, vocab = z.shape
+        """``logits_grad_inplace_kernel`` over the ``[r, V]`` chunk ``z``."""
+        r = z.shape[0]
         if r == 0:
             return
-        mode, scale_t, scale_v = scale_args(scale if write_grad else 1.0, z.device)
-        logits_grad_rows_kernel[(min(self.cfg.chip.vectorcores, r),)](
-            z, z.stride(0), labels, lse, nll,
-            loss if loss is not None else lse,
-            coef if coef is not None else lse,
-            scale_t, scale_v, r, vocab,
-            float(spec.softcap or 1.0), float(spec.label_smoothing), float(spec.z_loss),
-            HAS_SOFTCAP=spec.softcap is not None,
-            SMOOTHING=spec.label_smoothing != 0.0,
-            Z_LOSS=spec.z_loss != 0.0,
-            SCALE_MODE=mode,
-            COMPUTE_LSE=compute_lse,
-            WRITE_GRAD=write_grad,
-            BLOCK_V=self.cfg.rows.block,
-            RNE_BF16=_bf16_interpreted(z.dtype),
+        launch_logits_grad(
+            (min(self.cfg.chip.vectorcores, r),), z, labels, lse, nll, loss, coef, scale, spec,
+            compute_lse=compute_lse, write_grad=write_grad, BLOCK_V=self.cfg.rows.block,
+            FIX_RNE=_interpreted(), **_NPU_ROWS,
         )  # fmt: skip
 
     def dhidden_rows(self, dh, out_rows, *, part=None, coef=None, labels=None, weight=None,
                      accumulate=False):  # fmt: skip
-        """:func:`~.kernels.dhidden_rows_kernel`."""
+        """``dhidden_rows_store_kernel``."""
         r = out_rows.shape[0]
         if r == 0:
             return
-        w = weight if weight is not None else dh
-        dhidden_rows_kernel[(min(self.cfg.chip.vectorcores, r),)](
-            dh, dh.stride(0),
-            part if part is not None else dh,
-            part.stride(0) if part is not None else 0,
-            out_rows,
-            coef if coef is not None else out_rows,
-            labels if labels is not None else out_rows,
-            w, w.stride(0), w.stride(1),
-            r, dh.shape[1],
-            HAS_PART=part is not None,
-            ADD_TARGET=coef is not None,
-            ACCUMULATE=accumulate,
-            BLOCK_H=self.cfg.rowwise.block,
-            RNE_BF16=_bf16_interpreted(dh.dtype),
+        launch_dhidden_rows(
+            (min(self.cfg.chip.vectorcores, r),), dh, out_rows, part, coef, labels, weight,
+            accumulate, BLOCK_H=self.cfg.rowwise.block, FIX_RNE=_interpreted(), **_NPU,
         )  # fmt: skip
 
     def sort_by_label(self, labels) -> LabelRuns:
@@ -107,7 +93,7 @@ class AscendLaunchers:
 
     def target_dweight(self, dw, db, labels, coef, hidden, row_off, *, v_lo=0, v_hi=None,
                        by_label=None):  # fmt: skip
-        """:func:`~.kernels.target_dweight_runs_kernel` over the runs of equal labels (found
+        """``target_dweight_runs_kernel`` over the runs of equal labels (found
         here, with :meth:`sort_by_label`'s host sync, when ``by_label`` is None)."""
         if labels.shape[0] == 0 or (dw is None and db is None):
             return
@@ -124,30 +110,22 @@ class AscendLaunchers:
             NEED_W=dw is not None,
             NEED_B=db is not None,
             BLOCK_H=self.cfg.rowwise.block,
-            RNE_BF16=dw is not None and _bf16_interpreted(dw.dtype),
+            FIX_RNE=_interpreted(),
         )  # fmt: skip
 
     def lse_forward_partials(self, hidden, row_off, weight, bias, labels, spec):
-        """:func:`~.kernels.lse_forward_tiles_kernel` with ``cfg.forward``'s splits."""
+        """``lse_forward_kernel`` with ``cfg.forward``'s splits."""
         m = labels.shape[0]
-        vocab, hsize = weight.shape
+        vocab = weight.shape[0]
         plan = self.cfg.forward
         per_split = triton_cdiv(triton_cdiv(vocab, plan.splits), plan.block_n) * plan.block_n
         splits = triton_cdiv(vocab, per_split)
         part = torch.empty(4, splits, m, dtype=torch.float32, device=hidden.device)
         tasks = triton_cdiv(m, plan.block_m) * splits
-        lse_forward_tiles_kernel[(min(self.cfg.chip.aicores, tasks),)](
-            hidden, row_off, hidden.stride(-1),
-            weight, weight.stride(0), weight.stride(1),
-            bias if bias is not None else weight,
-            labels, part, m, vocab, hsize, splits, per_split,
-            float(spec.softcap or 1.0),
-            HAS_BIAS=bias is not None,
-            HAS_SOFTCAP=spec.softcap is not None,
-            SMOOTHING=spec.label_smoothing != 0.0,
-            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
-            EVEN_K=hsize % plan.block_k == 0,
-            DOT_F32=_bf16_interpreted(weight.dtype),
+        launch_lse_forward(
+            (min(self.cfg.chip.aicores, tasks),), hidden, row_off, weight, bias, labels, part,
+            per_split, spec, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+            UPCAST=_interpreted(), **_NPU_TILES,
         )  # fmt: skip
         return part
 
@@ -156,34 +134,13 @@ class AscendLaunchers:
 
     def dhidden_dweight_backward(self, hidden, row_off, weight, bias, labels, lse, scale,
                                  dh_acc, dw_acc, db, v_start, n_cols, spec):  # fmt: skip
-        """:func:`~.kernels.dhidden_dweight_tiles_kernel` for one group of rows."""
-        r = labels.shape[0]
-        vocab, hsize = weight.shape
+        """``dhidden_dweight_backward_kernel`` for one group of rows."""
         plan = self.cfg.backward
-        mode, scale_t, scale_v = scale_args(scale, hidden.device)
-        dummy = lse
-        tasks = triton_cdiv(r, plan.block_m) * triton_cdiv(n_cols, plan.block_n)
-        dhidden_dweight_tiles_kernel[(min(self.cfg.chip.aicores, tasks),)](
-            hidden, row_off, hidden.stride(-1),
-            weight, weight.stride(0), weight.stride(1),
-            bias if bias is not None else weight,
-            labels, lse, scale_t, scale_v,
-            dh_acc if dh_acc is not None else dummy,
-            dw_acc if dw_acc is not None else dummy,
-            db if db is not None else dummy,
-            r, v_start, n_cols, vocab, hsize,
-            float(spec.softcap or 1.0), float(spec.label_smoothing), float(spec.z_loss),
-            HAS_BIAS=bias is not None,
-            HAS_SOFTCAP=spec.softcap is not None,
-            SMOOTHING=spec.label_smoothing != 0.0,
-            Z_LOSS=spec.z_loss != 0.0,
-            SCALE_MODE=mode,
-            NEED_H=dh_acc is not None,
-            NEED_W=dw_acc is not None,
-            NEED_B=db is not None,
+        tasks = triton_cdiv(labels.shape[0], plan.block_m) * triton_cdiv(n_cols, plan.block_n)
+        launch_dhidden_dweight_backward(
+            (min(self.cfg.chip.aicores, tasks),), hidden, row_off, weight, bias, labels, lse,
+            scale, dh_acc, dw_acc, db, v_start, n_cols, spec,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
-            BLOCK_H=plan.block_h,
-            EVEN_K=hsize % plan.block_k == 0,
-            DOT_F32=_bf16_interpreted(weight.dtype),
-            RNE_BF16=_bf16_interpreted(weight.dtype),
+            BLOCK_H=plan.block_h, UPCAST=_interpreted(), FIX_RNE=_interpreted(),
+            **_NPU_TILES, **_NPU_ATOMICS,
         )  # fmt: skip

@@ -86,7 +86,8 @@ class TritonBackend(Backend):
         per_row = problem.vocab_size * problem.hidden.element_size()
         if budget is None:
             budget = default_budget(problem.n_valid)
-            per_row += 2 * problem.hidden_size * problem.hidden.element_size()
+            # the chunk's copy of its hidden rows and its float32 ``dz @ W`` rows
+            per_row += problem.hidden_size * (problem.hidden.element_size() + 4)
         return run_paths(problem, budget // per_row)
 
 
@@ -107,6 +108,7 @@ def run_paths(problem: Problem, rows_max: int, launchers=None) -> torch.Tensor:
     if launchers is None:
         from .launch import CUDA_LAUNCHERS as launchers
     if rows_max >= min(MIN_CHUNK_ROWS, max(problem.n_valid, 1)):
+        from ..chunked import forward_grad_safe
         from .chunked_path import ChunkedConfig, TritonChunkedLinearCrossEntropy, plan_rows
 
         cfg = ChunkedConfig(
@@ -115,7 +117,8 @@ def run_paths(problem: Problem, rows_max: int, launchers=None) -> torch.Tensor:
             scale=problem.scale,
             n_valid=problem.n_valid,
             rows=plan_rows(problem.n_valid, rows_max),
-            eager=problem.reduction == "sum" and any(need),
+            # float16 recomputes: see fused_ce_patch.backends.chunked.forward_grad_safe
+            eager=problem.reduction == "sum" and any(need) and forward_grad_safe(hidden.dtype),
             need=need,
             launchers=launchers,
         )

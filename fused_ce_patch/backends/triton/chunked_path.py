@@ -10,7 +10,7 @@ Counted rows are cut into chunks whose logits fit the budget; per chunk::
                                               reads dW in float32 compute, one rounding/chunk
     db    += z.sum(0)                         float32
     z[r, y_r] = coef_r                        the target column joins z for dH only
-    dH[rows] = z @ W                          matmul, written in place when rows are contiguous
+    dH[rows] = z @ W                          matmul with a float32 output, rounded once
 and once at the end ``dW[y] += sum coef_r h_r`` (target column, float32, one rounding).
 
 The kernels are called through ``cfg.launchers`` (:class:`~.launch.Launchers`): the CUDA
@@ -26,14 +26,19 @@ against a 256 MiB target) or by bf16 chunk sums, which loses precision (dW error
 the kernel and the matmuls that the shared interface does not have. dH keeps PyTorch's
 rounding (the whole gradient through one bf16 matmul).
 
-Schedules, as in the shared driver: *eager* (scalar reductions with gradients: gradients are
-formed in forward, 3 matmuls) and *recompute* (``reduction="none"``: forward keeps one LSE per
-counted row, backward recomputes the logits and honours a per-row upstream gradient).
+Schedules, as in the shared driver: *eager* (scalar reductions with gradients, bfloat16 and
+float32: gradients are formed in forward, 3 matmuls) and *recompute* (``reduction="none"``, and
+every float16 call: forward keeps one LSE per counted row, backward recomputes the logits and
+forms the gradient at the real upstream scale, one per row if need be). float16 cannot hold a
+gradient formed before its upstream scale is known (``fp16`` loss scaling exists for that
+reason): see :func:`fused_ce_patch.backends.chunked.forward_grad_safe`.
+
+Precision choices are passed to the matmuls (:func:`_mm_fp32`); no process-wide torch flag
+is read or set.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -58,25 +63,23 @@ class ChunkedConfig:
     launchers: Launchers = CUDA_LAUNCHERS
 
 
-#: Keep cuBLAS's split-K reductions in float32 for 16-bit matmuls (torch lets them run in the
-#: input dtype by default), as docs/design.md asks of every reduction.
-FP32_REDUCTIONS = True
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as a float32 tensor, reduced in float32 for 16-bit operands.
 
-
-@contextmanager
-def fp32_reductions():
-    """Within the block, 16-bit cuBLAS matmuls reduce partial sums in float32."""
-    if not FP32_REDUCTIONS:
-        yield
-        return
-    mm = torch.backends.cuda.matmul
-    saved = (mm.allow_fp16_reduced_precision_reduction, mm.allow_bf16_reduced_precision_reduction)
-    mm.allow_fp16_reduced_precision_reduction = False
-    mm.allow_bf16_reduced_precision_reduction = False
-    try:
-        yield
-    finally:
-        mm.allow_fp16_reduced_precision_reduction, mm.allow_bf16_reduced_precision_reduction = saved
+    torch lets cuBLAS reduce the split-K partial sums of 16-bit matmuls in the input dtype
+    (``allow_{fp16,bf16}_reduced_precision_reduction``, on by default); dH's matmul (``K = V``,
+    few rows) is where cuBLAS splits K, which cost fp16 dH 1.35x PyTorch's error on an H200.
+    Asking this one matmul for a float32 output (``out_dtype``, CUDA) keeps its reduction in
+    float32 without touching those process-wide flags, which other threads and other code
+    read. Elsewhere (CPU under the interpreter, older torch) the product is widened after a
+    plain matmul: CPU kernels accumulate 16-bit products in float32 anyway.
+    """
+    if a.dtype in (torch.float16, torch.bfloat16) and a.device.type == "cuda":
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):  # torch without mm.dtype
+            pass
+    return torch.mm(a, b).float()
 
 
 def plan_rows(n_valid: int, rows_max: int) -> int:
@@ -124,10 +127,11 @@ def _backprop_chunk(dz, h, idx, y, coef, weight, grads: _Grads, rows: slice | No
         grads.db += dz.sum(0, dtype=torch.float32)
     if grads.dh is not None:
         dz.scatter_(1, y.unsqueeze(1), coef.unsqueeze(1).to(dz.dtype))
+        part = _mm_fp32(dz, weight)
         if rows is not None:
-            torch.mm(dz, weight, out=grads.dh[rows])
+            grads.dh[rows].copy_(part)
         else:
-            grads.dh.index_copy_(0, idx, torch.mm(dz, weight))
+            grads.dh.index_copy_(0, idx, part.to(grads.dh.dtype))
 
 
 def _finish(cfg: ChunkedConfig, grads: _Grads, hidden, valid_rows, y_valid, coef):
@@ -217,10 +221,7 @@ class TritonChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, valid_rows, cfg: ChunkedConfig):
         y_valid = labels.index_select(0, valid_rows)
-        with fp32_reductions():
-            loss_v, lse_v, nll_v, grads = _forward_pass(
-                cfg, hidden, weight, bias, valid_rows, y_valid
-            )
+        loss_v, lse_v, nll_v, grads = _forward_pass(cfg, hidden, weight, bias, valid_rows, y_valid)
         ctx.cfg = cfg
         ctx.grads = grads
         if any(cfg.need):
@@ -241,9 +242,7 @@ class TritonChunkedLinearCrossEntropy(torch.autograd.Function):
             # backward through a retained graph replays the same pass (bitwise the same).
             ctx.grads = None
             if grads is None:
-                with fp32_reductions():
-                    *_, grads = _eager_pass(cfg, hidden, weight, bias, valid_rows, y_valid,
-                                            cfg.need)
+                *_, grads = _eager_pass(cfg, hidden, weight, bias, valid_rows, y_valid, cfg.need)
             g = grad_out.item()  # one sync per backward; keeps the scale out of bf16 rounding
             if g != 1.0:
                 for t in (grads.dh, grads.dw, grads.db):
@@ -260,9 +259,8 @@ class TritonChunkedLinearCrossEntropy(torch.autograd.Function):
             scale = grad_out.reshape(-1).to(torch.float32)
         else:
             scale = grad_out.to(torch.float32) * cfg.scale
-        with fp32_reductions():
-            grads = _recompute_pass(cfg, hidden, weight, bias, valid_rows, y_valid, lse_v, nll_v,
-                                    scale, need)
+        grads = _recompute_pass(cfg, hidden, weight, bias, valid_rows, y_valid, lse_v, nll_v,
+                                scale, need)
         return _outputs(grads, hidden.shape, bias)
 
 

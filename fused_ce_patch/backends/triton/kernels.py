@@ -1,28 +1,65 @@
-"""Triton kernels of backend ``"triton"``.
+"""Triton kernels of backends ``"triton"`` (CUDA/ROCm) and ``"ascend"`` (triton-ascend), one
+source for both; the Triton interpreter runs them in CI.
 
 Every kernel works on *counted* rows only (labels already validated by ``loss.py``; no kernel
-asserts on the device). Offsets that can exceed 2**31 (row * row_stride of logits, hidden,
-weight) are computed in int64. All reductions accumulate in float32.
+asserts on the device). Offsets that can exceed 2**31 are formed in int64: a row's or tile's
+base offset as an int64 scalar (``tl.cast``, which also takes compile-time constants) added to
+int32 in-block indices, plus the per-row element offsets of ``hidden`` (``row_off``, int64,
+for any strides). All reductions accumulate in float32.
 
 The gradient of a row's loss with respect to its logits, ``scale * dL/dz_v`` with::
 
     dL/ds_v = p_v * (1 + 2 * z_loss * LSE) - eps / V - (1 - eps) * 1[v = y]
 
-(``s`` the softcapped logits, times ``1 - (s_v / c)**2`` through a softcap ``c``), is split by
-column: the *dense* part, every column except the target, is what the kernels write (in the
-input dtype) and what the matmuls consume; the *target column* is one float32 coefficient per
-row, ``coef_r = scale_r * dL/dz_{r, y_r}``, added in float32 to dW
+(``s`` the softcapped logits, times ``ds/dz = 1 - tanh(z / c)**2`` through a softcap ``c``),
+is split by column: the *dense* part, every column except the target, is what the kernels
+write (in the input dtype) and what the matmuls consume; the *target column* is one float32
+coefficient per row, ``coef_r = scale_r * dL/dz_{r, y_r}``, added in float32 to dW
 (``dW[y] += sum_{r: y_r = y} coef_r * h_r``, :func:`target_dweight_kernel`) and, on the
 zero-logits path, to dH (``dH_r += coef_r * W[y_r]``, :func:`dhidden_rows_store_kernel`); the
 chunked path writes it into its logits chunk before the dH matmul instead, so that dH is
 rounded once, as in PyTorch. On large vocabularies the target column carries most of the
 gradient's norm, so adding it in float32 instead of through bf16 partial sums keeps dW's
-error below PyTorch's own bf16 path; and ``p_y - 1`` is formed in float32, so a confident row
-(``p_y ~ 1``) loses nothing to cancellation.
+error below PyTorch's own bf16 path; and ``p_y - 1`` is formed in float32 from
+``p_y = exp(-nll)`` with the unrounded ``nll = LSE - z_y`` (``exp(z_y - LSE)`` would let LSE's
+float32 rounding dominate ``p_y - 1`` for confident rows).
+
+Softcap: ``c * tanh(z / c)`` and its slope ``1 - tanh**2`` come from :func:`_tanh_and_slope`,
+accurate to a few float32 ulps over the whole range: the usual ``1 - 2 / (exp(2u) + 1)``
+cancels for ``|u| << 1`` (a softcap of 1e8 on logits of order 1 lost every digit), so small
+``|u|`` take a short odd series, and the slope is ``4e / (1 + e)**2`` with ``e = exp(-2|u|)``,
+which never cancels nor overflows. (``tanh`` itself is in neither upstream ``tl`` nor
+triton-ascend's op table.)
+
+Device differences are compile-time switches, set by the launchers (``launch.py`` here and
+``ascend/launch.py``):
+
+- ``PERSISTENT`` (ascend): triton-ascend binds a program to a physical core, runs programs
+  beyond the core count in further rounds at a cost, and limits a grid axis to 65535. Its
+  launches are one program per core, each looping over rows or tiles
+  (``range(pid, n, num_programs)``); CUDA launches one program per row or tile.
+- ``LANE_SUMS`` (CUDA): the row kernel's running sums are per-lane vectors (one reduction per
+  row); ascend keeps scalars (one reduction per block) so fewer tiles are live in its Unified
+  Buffer. ``NUM_STAGES > 1`` (CUDA) software-pipelines the row loops with ``tl.range``; the
+  ascend launch passes 1 (plain ``range``, as triton-ascend's guides write loops).
+- ``FRESH_OPERANDS`` (ascend): triton-ascend may reuse a ``tl.dot`` left operand's on-chip
+  buffer for the product (flash-linear-attention notes this), so a tile that feeds several
+  dots is passed as a fresh copy each time.
+- ``ATOMIC_SEM``: ``"relaxed"`` on CUDA (``red.global.add``, no fence); ascend keeps Triton's
+  default, the only float32 ``atomic_add`` its op table lists (return value unused).
+- ``ROW_ALIGN`` (CUDA): ``tl.multiple_of`` hint that lets gathered hidden-row loads be
+  vectorised and pipelined; ``DOT_PRECISION``: ``"tf32"`` when torch allows it on CUDA,
+  ``"ieee"`` otherwise (always on ascend).
+- ``UPCAST``, ``FIX_RNE`` (the interpreter only): upstream Triton 3.9's interpreter multiplies
+  bfloat16 ``tl.dot`` operands as raw 16-bit patterns and truncates float32 to bfloat16;
+  there dot operands are widened to float32 first (the same products, exact) and casts to
+  bfloat16 round to nearest even by hand (:func:`_cast`).
 
 Sources: Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018) for the
 running max/sum; Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024)
-for computing the log-sum-exp from logit tiles that never leave the chip.
+for computing the log-sum-exp from logit tiles that never leave the chip; triton-ascend
+``docs/en/programming_guide.md``, ``docs/en/migration_guide/*.md`` and
+``docs/sources/python-api/outline.md`` (op support table) for the NPU switches.
 """
 
 from __future__ import annotations
@@ -32,29 +69,65 @@ import triton.language as tl
 
 #: Start value of running maxima: finite, so that ``exp(m_old - m_new)`` never sees inf - inf.
 _NEG_BIG = tl.constexpr(-1.0e30)
+#: Below this ``|u|``, ``tanh(u)`` comes from its series (error < 2e-8 relative at 0.25);
+#: above it, ``(1 - e) / (1 + e)`` has no cancellation worse than 2.5x.
+_TANH_SERIES_MAX = tl.constexpr(0.25)
+
+
+@triton.jit
+def _tanh_and_slope(u):
+    """``(tanh(u), 1 - tanh(u)**2)`` in float32, a few ulps from exact for every ``u``
+    (module docstring). NaN propagates; ``+-inf`` give ``(+-1, 0)``."""
+    a = tl.abs(u)
+    e = tl.exp(-2.0 * a)  # in [0, 1]: cannot overflow
+    a2 = a * a
+    # tanh(a) = a - a^3/3 + 2a^5/15 - 17a^7/315 + 62a^9/2835 - ...
+    series = a * (
+        1.0
+        + a2 * (-0.3333333333333333
+                + a2 * (0.13333333333333333
+                        + a2 * (-0.05396825396825397 + a2 * 0.021869488536155203)))
+    )  # fmt: skip
+    t = tl.where(a < _TANH_SERIES_MAX, series, (1.0 - e) / (1.0 + e))
+    one_e = 1.0 + e
+    return tl.where(u < 0.0, -t, t), 4.0 * e / (one_e * one_e)
 
 
 @triton.jit
 def _softcap(x, cap):
-    """``cap * tanh(x / cap)`` written with ``exp`` (``tanh`` is not in every Triton's ``tl``);
-    the division is the fast (non-IEEE, ~1 ulp) one."""
-    return cap - tl.fdiv(2.0 * cap, tl.exp(x * (2.0 / cap)) + 1.0, ieee_rounding=False)
+    """``cap * tanh(x / cap)``."""
+    t, _ = _tanh_and_slope(x / cap)
+    return cap * t
 
 
 @triton.jit
 def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + a @ b`` in float32. ``UPCAST`` (interpreter only: Triton 3.9's interpreter
-    mis-multiplies bfloat16 operands) multiplies exact float32 copies instead."""
+    """``acc + a @ b`` in float32 (``UPCAST``: float32 copies of the operands; module
+    docstring)."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
+def _operand(x, FRESH_OPERANDS: tl.constexpr):
+    """``x``, or a copy of it for use as a ``tl.dot`` operand on triton-ascend."""
+    if FRESH_OPERANDS:
+        return x + 0.0
+    return x
+
+
+@triton.jit
+def _atomic_add(ptr, val, mask, ATOMIC_SEM: tl.constexpr):
+    """Float32 ``atomic_add`` whose return value is unused."""
+    tl.atomic_add(ptr, val, mask=mask, sem=ATOMIC_SEM)
+
+
+@triton.jit
 def _cast(x, dtype: tl.constexpr, FIX_RNE: tl.constexpr):
-    """``x.to(dtype)``, rounding to nearest even. ``FIX_RNE`` (interpreter only: Triton 3.9's
-    interpreter truncates float32 to bfloat16) rounds the float32 bits first, so that the
-    truncating cast lands on the round-to-nearest-even value."""
+    """``x.to(dtype)``, rounding to nearest even. ``FIX_RNE`` (interpreter only) rounds the
+    float32 bits first, so that the interpreter's truncating cast to bfloat16 lands on the
+    round-to-nearest-even value (NaN kept)."""
     if FIX_RNE:
         if dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
@@ -75,6 +148,123 @@ def _row_scale(scale_ptr, scale_value, row, SCALE_MODE: tl.constexpr):
     return scale
 
 
+# -- chunked path: one row of a logits chunk ------------------------------------------------
+
+
+@triton.jit
+def _lse_step(z_row, v0, cols, vocab, m, s, z_sum, softcap, HAS_SOFTCAP: tl.constexpr,
+              SMOOTHING: tl.constexpr, LANE_SUMS: tl.constexpr):  # fmt: skip
+    """One block of the running max / sum of exp (and sum of logits) of a row."""
+    mask = cols < vocab - v0
+    x = tl.load(z_row + v0 + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        x = _softcap(x, softcap)
+    if SMOOTHING:
+        if LANE_SUMS:
+            z_sum += tl.where(mask, x, 0.0)
+        else:
+            z_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
+    x = tl.where(mask, x, -float("inf"))
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    if LANE_SUMS:
+        s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
+    else:
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+    return m_new, s, z_sum
+
+
+@triton.jit
+def _grad_step(z_row, v0, cols, vocab, y32, lse, scale, p_scale, softcap, label_smoothing,
+               HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, FIX_RNE: tl.constexpr):  # fmt: skip
+    """One block of a row overwritten with ``scale * dL/dz`` (0 in the target column)."""
+    mask = cols < vocab - v0
+    x = tl.load(z_row + v0 + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        t, slope = _tanh_and_slope(x / softcap)
+        x = softcap * t
+    g = tl.exp(x - lse) * p_scale
+    if SMOOTHING:
+        g -= scale * label_smoothing / vocab
+    if HAS_SOFTCAP:
+        g = g * slope
+    g = tl.where(cols == y32 - v0, 0.0, g)
+    tl.store(z_row + v0 + cols, _cast(g, z_row.dtype.element_ty, FIX_RNE), mask=mask)
+
+
+@triton.jit
+def _logits_grad_row(row, z_ptr, stride_z, labels_ptr, lse_ptr, nll_ptr, loss_ptr, coef_ptr,
+                     scale_ptr, scale_value, vocab, softcap, label_smoothing, z_loss,
+                     HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
+                     SCALE_MODE: tl.constexpr, COMPUTE_LSE: tl.constexpr,
+                     WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, FIX_RNE: tl.constexpr,
+                     NUM_STAGES: tl.constexpr, LANE_SUMS: tl.constexpr):  # fmt: skip
+    r64 = tl.cast(row, tl.int64)
+    z_row = z_ptr + r64 * stride_z
+    cols = tl.arange(0, BLOCK_V)
+    y = tl.load(labels_ptr + r64)
+    z_y_raw = tl.load(z_row + y).to(tl.float32)
+    z_y = z_y_raw
+    if HAS_SOFTCAP:
+        t_y, slope_y = _tanh_and_slope(z_y_raw / softcap)
+        z_y = softcap * t_y
+
+    if COMPUTE_LSE:
+        m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
+        if LANE_SUMS:  # per-lane sums, one reduction per row
+            s = tl.zeros([BLOCK_V], tl.float32)
+            z_sum = tl.zeros([BLOCK_V], tl.float32)
+        else:
+            s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+            z_sum = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+        if NUM_STAGES > 1:
+            for v0 in tl.range(0, vocab, BLOCK_V, num_stages=NUM_STAGES):
+                m, s, z_sum = _lse_step(z_row, v0, cols, vocab, m, s, z_sum, softcap,
+                                        HAS_SOFTCAP, SMOOTHING, LANE_SUMS)  # fmt: skip
+        else:
+            for v0 in range(0, vocab, BLOCK_V):
+                m, s, z_sum = _lse_step(z_row, v0, cols, vocab, m, s, z_sum, softcap,
+                                        HAS_SOFTCAP, SMOOTHING, LANE_SUMS)  # fmt: skip
+        if LANE_SUMS:
+            s = tl.sum(s, axis=0)
+            z_sum = tl.sum(z_sum, axis=0)
+        log_s = tl.log(s)
+        lse = m + log_s
+        # LSE - z_y without rounding LSE first: exact for confident rows (p_y ~ 1) in float32
+        nll = (m - z_y) + log_s
+        loss = nll
+        if SMOOTHING:
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - z_sum / vocab)
+        if Z_LOSS:
+            loss += z_loss * lse * lse
+        tl.store(lse_ptr + r64, lse)
+        tl.store(nll_ptr + r64, nll)
+        tl.store(loss_ptr + r64, loss)
+    else:
+        lse = tl.load(lse_ptr + r64)
+        nll = tl.load(nll_ptr + r64)
+
+    if WRITE_GRAD:
+        y32 = tl.cast(y, tl.int32)  # keeps the column arithmetic 32-bit (V < 2**31)
+        scale = _row_scale(scale_ptr, scale_value, r64, SCALE_MODE)
+        p_scale = scale
+        if Z_LOSS:
+            p_scale = scale * (1.0 + 2.0 * z_loss * lse)
+        if NUM_STAGES > 1:
+            for v0 in tl.range(0, vocab, BLOCK_V, num_stages=NUM_STAGES):
+                _grad_step(z_row, v0, cols, vocab, y32, lse, scale, p_scale, softcap,
+                           label_smoothing, HAS_SOFTCAP, SMOOTHING, FIX_RNE)  # fmt: skip
+        else:
+            for v0 in range(0, vocab, BLOCK_V):
+                _grad_step(z_row, v0, cols, vocab, y32, lse, scale, p_scale, softcap,
+                           label_smoothing, HAS_SOFTCAP, SMOOTHING, FIX_RNE)  # fmt: skip
+        coef = tl.exp(-nll) * p_scale - (1.0 - label_smoothing) * scale  # p_y from nll
+        if SMOOTHING:
+            coef -= scale * label_smoothing / vocab
+        if HAS_SOFTCAP:
+            coef = coef * slope_y
+        tl.store(coef_ptr + r64, coef)
+
+
 @triton.jit
 def logits_grad_inplace_kernel(
     z_ptr,
@@ -86,6 +276,7 @@ def logits_grad_inplace_kernel(
     coef_ptr,
     scale_ptr,
     scale_value,
+    n_rows,
     vocab,
     softcap,
     label_smoothing,
@@ -99,83 +290,58 @@ def logits_grad_inplace_kernel(
     BLOCK_V: tl.constexpr,
     FIX_RNE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    LANE_SUMS: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
-    """One program per row of a ``[r, V]`` logits chunk (input dtype, bias included).
+    """LSE, loss and the logits gradient of the rows of a ``[r, V]`` logits chunk (input
+    dtype, bias included). Grid ``(r,)``, or ``(P,)`` programs looping over rows
+    ``p, p + P, ...`` when ``PERSISTENT``.
 
-    ``COMPUTE_LSE``: one pass with a running max and per-lane sums; writes ``lse[row]`` and
-    the row's loss ``loss[row]`` (float32). Otherwise ``lse[row]`` is read. Both passes
-    prefetch ``NUM_STAGES - 1`` blocks ahead (``tl.range`` software pipelining).
-    ``WRITE_GRAD``: a second pass overwrites the row with ``scale * dL/dz`` in the input
-    dtype, 0 in the target column, and writes that column's value to ``coef[row]`` (float32).
+    ``COMPUTE_LSE``: one pass with a running max; writes ``lse[row]``, ``nll[row]``
+    (``LSE - z_y`` without rounding LSE first) and the row's loss ``loss[row]`` (float32).
+    Otherwise ``lse[row]`` and ``nll[row]`` are read. ``WRITE_GRAD``: a second pass overwrites
+    the row with ``scale * dL/dz`` in the input dtype, 0 in the target column, and writes that
+    column's value to ``coef[row]`` (float32).
     """
-    row = tl.program_id(0).to(tl.int64)
-    z_row = z_ptr + row * stride_z
-    cols = tl.arange(0, BLOCK_V)
-    y = tl.load(labels_ptr + row)
-    z_y = tl.load(z_row + y).to(tl.float32)
-    if HAS_SOFTCAP:
-        z_y = _softcap(z_y, softcap)
-
-    if COMPUTE_LSE:
-        # running max (one number per row: one exp per logit) and per-lane sums relative to it
-        m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
-        s = tl.zeros([BLOCK_V], tl.float32)
-        z_sum = tl.zeros([BLOCK_V], tl.float32)
-        for v0 in tl.range(0, vocab, BLOCK_V, num_stages=NUM_STAGES):
-            mask = v0 + cols < vocab
-            x = tl.load(z_row + v0 + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                x = _softcap(x, softcap)
-            if SMOOTHING:
-                z_sum += tl.where(mask, x, 0.0)
-            x = tl.where(mask, x, -float("inf"))
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
-            m = m_new
-        log_s = tl.log(tl.sum(s, axis=0))
-        lse = m + log_s
-        # LSE - z_y without rounding LSE first: exact for confident rows (p_y ~ 1) in float32
-        nll = (m - z_y) + log_s
-        loss = nll
-        if SMOOTHING:
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (
-                lse - tl.sum(z_sum, axis=0) / vocab
-            )
-        if Z_LOSS:
-            loss += z_loss * lse * lse
-        tl.store(lse_ptr + row, lse)
-        tl.store(nll_ptr + row, nll)
-        tl.store(loss_ptr + row, loss)
+    if PERSISTENT:
+        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            _logits_grad_row(row, z_ptr, stride_z, labels_ptr, lse_ptr, nll_ptr, loss_ptr,
+                             coef_ptr, scale_ptr, scale_value, vocab, softcap, label_smoothing,
+                             z_loss, HAS_SOFTCAP, SMOOTHING, Z_LOSS, SCALE_MODE, COMPUTE_LSE,
+                             WRITE_GRAD, BLOCK_V, FIX_RNE, NUM_STAGES, LANE_SUMS)  # fmt: skip
     else:
-        lse = tl.load(lse_ptr + row)
-        nll = tl.load(nll_ptr + row)
+        _logits_grad_row(tl.program_id(0), z_ptr, stride_z, labels_ptr, lse_ptr, nll_ptr,
+                         loss_ptr, coef_ptr, scale_ptr, scale_value, vocab, softcap,
+                         label_smoothing, z_loss, HAS_SOFTCAP, SMOOTHING, Z_LOSS, SCALE_MODE,
+                         COMPUTE_LSE, WRITE_GRAD, BLOCK_V, FIX_RNE, NUM_STAGES,
+                         LANE_SUMS)  # fmt: skip
 
-    if WRITE_GRAD:
-        scale = _row_scale(scale_ptr, scale_value, row, SCALE_MODE)
-        inv_cap = 1.0 / softcap
-        p_scale = scale
-        if Z_LOSS:
-            p_scale = scale * (1.0 + 2.0 * z_loss * lse)
-        for v0 in tl.range(0, vocab, BLOCK_V, num_stages=NUM_STAGES):
-            mask = v0 + cols < vocab
-            x = tl.load(z_row + v0 + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                x = _softcap(x, softcap)
-            g = tl.exp(x - lse) * p_scale
-            if SMOOTHING:
-                g -= scale * label_smoothing / vocab
-            if HAS_SOFTCAP:
-                t = x * inv_cap
-                g = g * (1.0 - t * t)
-            g = tl.where(v0 + cols == y, 0.0, g)
-            tl.store(z_row + v0 + cols, _cast(g, z_ptr.dtype.element_ty, FIX_RNE), mask=mask)
-        coef = tl.exp(-nll) * p_scale - (1.0 - label_smoothing) * scale  # p_y from nll
-        if SMOOTHING:
-            coef -= scale * label_smoothing / vocab
-        if HAS_SOFTCAP:
-            t_y = z_y / softcap
-            coef = coef * (1.0 - t_y * t_y)
-        tl.store(coef_ptr + row, coef)
+
+# -- dH rows and the target column ----------------------------------------------------------
+
+
+@triton.jit
+def _dhidden_row_block(i, h0, dh_ptr, stride_dh, part_ptr, stride_part, out_rows_ptr, coef_ptr,
+                       labels_ptr, w_ptr, stride_wv, stride_wk, hidden_size,
+                       HAS_PART: tl.constexpr, ADD_TARGET: tl.constexpr,
+                       ACCUMULATE: tl.constexpr, BLOCK_H: tl.constexpr,
+                       FIX_RNE: tl.constexpr):  # fmt: skip
+    i64 = tl.cast(i, tl.int64)
+    hs = tl.arange(0, BLOCK_H)
+    mask = hs < hidden_size - h0
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    if HAS_PART:
+        part = tl.load(part_ptr + i64 * stride_part + h0 + hs, mask=mask, other=0.0)
+        acc += part.to(tl.float32)
+    if ADD_TARGET:
+        coef = tl.load(coef_ptr + i64)
+        y = tl.load(labels_ptr + i64).to(tl.int64)
+        w = tl.load(w_ptr + y * stride_wv + (h0 + hs) * stride_wk, mask=mask, other=0.0)
+        acc += coef * w.to(tl.float32)
+    dst = dh_ptr + tl.load(out_rows_ptr + i64).to(tl.int64) * stride_dh + h0 + hs
+    if ACCUMULATE:
+        acc += tl.load(dst, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst, _cast(acc, dh_ptr.dtype.element_ty, FIX_RNE), mask=mask)
 
 
 @triton.jit
@@ -190,34 +356,60 @@ def dhidden_rows_store_kernel(
     w_ptr,
     stride_wv,
     stride_wk,
+    n_rows,
     hidden_size,
     HAS_PART: tl.constexpr,
     ADD_TARGET: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     FIX_RNE: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     """``dH[out_rows[i]] (+)= part[i] + coef[i] * W[labels[i]]`` in float32, rounded once.
 
-    Grid ``(r, cdiv(H, BLOCK_H))``. ``part`` is ``[r, H]`` (any float dtype; the dense
-    ``dz @ W`` of a chunk, or a float32 partial sum); ``dH`` is ``[N, H]``.
+    Grid ``(r, cdiv(H, BLOCK_H))``, or ``(P,)`` programs looping over rows and ``H`` blocks
+    when ``PERSISTENT``. ``part`` is ``[r, H]`` (any float dtype; the dense ``dz @ W`` of a
+    chunk, or a float32 partial sum); ``dH`` is ``[N, H]``.
     """
-    i = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < hidden_size
-    acc = tl.zeros([BLOCK_H], tl.float32)
-    if HAS_PART:
-        acc += tl.load(part_ptr + i * stride_part + cols, mask=mask, other=0.0).to(tl.float32)
-    if ADD_TARGET:
-        coef = tl.load(coef_ptr + i)
-        y = tl.load(labels_ptr + i).to(tl.int64)
-        w = tl.load(w_ptr + y * stride_wv + cols * stride_wk, mask=mask, other=0.0)
-        acc += coef * w.to(tl.float32)
-    out = tl.load(out_rows_ptr + i).to(tl.int64)
-    dst = dh_ptr + out * stride_dh + cols
-    if ACCUMULATE:
+    if PERSISTENT:
+        for i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            for h0 in range(0, hidden_size, BLOCK_H):
+                _dhidden_row_block(i, h0, dh_ptr, stride_dh, part_ptr, stride_part,
+                                   out_rows_ptr, coef_ptr, labels_ptr, w_ptr, stride_wv,
+                                   stride_wk, hidden_size, HAS_PART, ADD_TARGET, ACCUMULATE,
+                                   BLOCK_H, FIX_RNE)  # fmt: skip
+    else:
+        _dhidden_row_block(tl.program_id(0), tl.program_id(1) * BLOCK_H, dh_ptr, stride_dh,
+                           part_ptr, stride_part, out_rows_ptr, coef_ptr, labels_ptr, w_ptr,
+                           stride_wv, stride_wk, hidden_size, HAS_PART, ADD_TARGET, ACCUMULATE,
+                           BLOCK_H, FIX_RNE)  # fmt: skip
+
+
+@triton.jit
+def _add_target_rows(acc, coef_sum, k, order_ptr, coef_ptr, h_ptr, row_off_ptr, stride_hk, hs,
+                     h0, mask, NEED_W: tl.constexpr):  # fmt: skip
+    """``acc += coef_r * h_r[h0 : h0 + BLOCK_H]`` and ``coef_sum += coef_r`` for the row at
+    sorted position ``k``."""
+    r = tl.load(order_ptr + k)
+    coef = tl.load(coef_ptr + r)
+    if NEED_W:
+        h = tl.load(h_ptr + tl.load(row_off_ptr + r) + (h0 + hs) * stride_hk, mask=mask, other=0.0)
+        acc += coef * h.to(tl.float32)
+    return acc, coef_sum + coef
+
+
+@triton.jit
+def _store_target_row(acc, coef_sum, y64, dw_ptr, stride_dwv, db_ptr, v_lo, h0, hs, mask,
+                      NEED_W: tl.constexpr, NEED_B: tl.constexpr, FIX_RNE: tl.constexpr):  # fmt: skip
+    """``dW[y - v_lo, h0 : h0 + BLOCK_H] += acc`` (one rounding) and, for the first ``H``
+    block, ``db[y] += coef_sum``."""
+    if NEED_W:
+        dst = dw_ptr + (y64 - v_lo) * stride_dwv + h0 + hs
         acc += tl.load(dst, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst, _cast(acc, dh_ptr.dtype.element_ty, FIX_RNE), mask=mask)
+        tl.store(dst, _cast(acc, dw_ptr.dtype.element_ty, FIX_RNE), mask=mask)
+    if NEED_B:
+        if h0 == 0:
+            tl.store(db_ptr + y64, tl.load(db_ptr + y64) + coef_sum)
 
 
 @triton.jit
@@ -240,18 +432,19 @@ def target_dweight_kernel(
     BLOCK_H: tl.constexpr,
     FIX_RNE: tl.constexpr,
 ):
-    """Target column's share of dW and db for labels in ``[v_lo, v_hi)``:
+    """Target column's share of dW and db for labels in ``[v_lo, v_hi)`` (CUDA):
     ``dW[y - v_lo] += sum_{r: y_r = y} coef_r * h_r`` and ``db[y] += sum coef_r``.
 
     Grid ``(M, cdiv(H, BLOCK_H))`` over counted rows sorted by label; the first row of each
     run of equal labels sums the run in float32 and adds it to ``dW`` once (deterministic,
-    one rounding). ``order[j]`` maps sorted position ``j`` to the row's index in ``coef`` and
-    ``row_off`` (element offsets of the rows in ``hidden``). ``dW`` may be a float32
-    accumulator of the rows ``[v_lo, v_hi)`` only.
+    one rounding), finding the run's end itself (no host sync). ``order[j]`` maps sorted
+    position ``j`` to the row's index in ``coef`` and ``row_off`` (element offsets of the rows
+    in ``hidden``). ``dW`` may be a float32 accumulator of the rows ``[v_lo, v_hi)`` only.
     """
     i = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < hidden_size
+    h0 = tl.program_id(1) * BLOCK_H
+    hs = tl.arange(0, BLOCK_H)
+    mask = hs < hidden_size - h0
     y = tl.load(sorted_labels_ptr + i)
     prev = tl.load(sorted_labels_ptr + i - 1, mask=i > 0, other=-1)
     if (prev != y) & (y >= v_lo) & (y < v_hi):
@@ -260,61 +453,142 @@ def target_dweight_kernel(
         j = i
         y_j = y
         while y_j == y:
-            k = tl.load(order_ptr + j)
-            coef = tl.load(coef_ptr + k)
-            if NEED_W:
-                off = tl.load(row_off_ptr + k)
-                h = tl.load(h_ptr + off + cols * stride_hk, mask=mask, other=0.0)
-                acc += coef * h.to(tl.float32)
-            coef_sum += coef
+            acc, coef_sum = _add_target_rows(acc, coef_sum, j, order_ptr, coef_ptr, h_ptr,
+                                             row_off_ptr, stride_hk, hs, h0, mask, NEED_W)  # fmt: skip
             j += 1
             y_j = tl.load(sorted_labels_ptr + j, mask=j < n_rows, other=-1)
-        y64 = y.to(tl.int64)
-        if NEED_W:
-            dst = dw_ptr + (y64 - v_lo) * stride_dwv + cols
-            acc += tl.load(dst, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dst, _cast(acc, dw_ptr.dtype.element_ty, FIX_RNE), mask=mask)
-        if NEED_B:
-            if tl.program_id(1) == 0:
-                tl.store(db_ptr + y64, tl.load(db_ptr + y64) + coef_sum)
+        _store_target_row(acc, coef_sum, y.to(tl.int64), dw_ptr, stride_dwv, db_ptr, v_lo, h0,
+                          hs, mask, NEED_W, NEED_B, FIX_RNE)  # fmt: skip
 
 
 @triton.jit
-def _logits_tile(
+def target_dweight_runs_kernel(
+    dw_ptr,
+    stride_dwv,
+    db_ptr,
+    run_labels_ptr,
+    run_starts_ptr,
+    order_ptr,
+    coef_ptr,
     h_ptr,
-    row_off,
-    row_mask,
+    row_off_ptr,
     stride_hk,
-    w_ptr,
-    cols,
-    col_mask,
-    stride_wv,
-    stride_wk,
+    n_runs,
     hidden_size,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    v_lo,
+    v_hi,
+    NEED_W: tl.constexpr,
+    NEED_B: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    FIX_RNE: tl.constexpr,
 ):
-    """``[BLOCK_M, BLOCK_N]`` float32 tile of ``hidden[rows] @ W[cols].T`` (K loop over H)."""
+    """:func:`target_dweight_kernel` for triton-ascend, whose grid axes stop at 65535 (one
+    program per counted row does not fit) and whose programs beyond the core count run in
+    further rounds: the runs of equal labels are found on the host (run ``k``, label
+    ``run_labels[k]``, covers sorted positions ``[run_starts[k], run_starts[k + 1])``) and
+    ``P`` programs, ``P`` <= vector cores, each own whole runs, so every ``dW`` row is written
+    by one program, once per ``H`` block, with one rounding (deterministic, no atomics).
+    """
+    hs = tl.arange(0, BLOCK_H)
+    for k in range(tl.program_id(0), n_runs, tl.num_programs(0)):
+        k64 = tl.cast(k, tl.int64)
+        y = tl.load(run_labels_ptr + k64).to(tl.int64)
+        if (y >= v_lo) & (y < v_hi):
+            start = tl.load(run_starts_ptr + k64)
+            end = tl.load(run_starts_ptr + k64 + 1)
+            for h0 in range(0, hidden_size, BLOCK_H):
+                mask = hs < hidden_size - h0
+                acc = tl.zeros([BLOCK_H], tl.float32)
+                coef_sum = 0.0
+                for j in range(start, end):
+                    acc, coef_sum = _add_target_rows(acc, coef_sum, j, order_ptr, coef_ptr,
+                                                     h_ptr, row_off_ptr, stride_hk, hs, h0,
+                                                     mask, NEED_W)  # fmt: skip
+                _store_target_row(acc, coef_sum, y, dw_ptr, stride_dwv, db_ptr, v_lo, h0, hs,
+                                  mask, NEED_W, NEED_B, FIX_RNE)  # fmt: skip
+
+
+# -- zero-logits path -----------------------------------------------------------------------
+
+
+@triton.jit
+def _logits_tile(h_ptr, row_off, row_mask, stride_hk, w_ptr, v0, col_mask, stride_wv,
+                 stride_wk, hidden_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr):  # fmt: skip
+    """``[BLOCK_M, BLOCK_N]`` float32 tile of ``hidden[rows] @ W[v0 : v0 + BLOCK_N].T`` (K loop
+    over H; pointers rebuilt from the loop index, never carried across iterations)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + row_off[:, None] + ks[None, :] * stride_hk
-    b_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wv + ks[None, :] * stride_wk
+    local = tl.arange(0, BLOCK_N)
+    w_tile = w_ptr + tl.cast(v0, tl.int64) * stride_wv
     for k0 in range(0, hidden_size, BLOCK_K):
+        a_ptrs = h_ptr + row_off[:, None] + (k0 + ks)[None, :] * stride_hk
+        b_ptrs = w_tile + local[:, None] * stride_wv + (k0 + ks)[None, :] * stride_wk
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=col_mask[:, None], other=0.0)
         else:
-            k_mask = (k0 + ks) < hidden_size
+            k_mask = ks < hidden_size - k0
             a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         acc = _dot(a, tl.trans(b), acc, DOT_PRECISION, UPCAST)
-        a_ptrs += BLOCK_K * stride_hk
-        b_ptrs += BLOCK_K * stride_wk
     return acc
+
+
+@triton.jit
+def _row_block(r0, row_off_ptr, labels_ptr, n_rows, BLOCK_M: tl.constexpr,
+               ROW_ALIGN: tl.constexpr):  # fmt: skip
+    """Rows ``[r0, r0 + BLOCK_M)``: their mask, element offsets in ``hidden`` and labels."""
+    rows = r0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    row_off = tl.load(row_off_ptr + rows, mask=row_mask, other=0)
+    if ROW_ALIGN > 1:  # lets the gathered hidden-row loads be vectorised and pipelined
+        row_off = tl.multiple_of(row_off, ROW_ALIGN)
+    y = tl.load(labels_ptr + rows, mask=row_mask, other=-1)
+    return rows, row_mask, row_off, y
+
+
+@triton.jit
+def _lse_forward_task(r0, split, h_ptr, row_off_ptr, stride_hk, w_ptr, stride_wv, stride_wk,
+                      b_ptr, labels_ptr, part_ptr, n_rows, n_splits, vocab, hidden_size,
+                      vocab_per_split, softcap, HAS_BIAS: tl.constexpr,
+                      HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                      ROW_ALIGN: tl.constexpr):  # fmt: skip
+    rows, row_mask, row_off, y = _row_block(r0, row_off_ptr, labels_ptr, n_rows, BLOCK_M,
+                                            ROW_ALIGN)  # fmt: skip
+    m = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    z_y = tl.zeros([BLOCK_M], tl.float32)
+    z_sum = tl.zeros([BLOCK_M], tl.float32)
+    local = tl.arange(0, BLOCK_N)
+    v_begin = split * vocab_per_split
+    v_end = tl.minimum(v_begin + vocab_per_split, vocab)
+    for v0 in range(v_begin, v_end, BLOCK_N):
+        col_mask = local < v_end - v0
+        z = _logits_tile(h_ptr, row_off, row_mask, stride_hk, w_ptr, v0, col_mask, stride_wv,
+                         stride_wk, hidden_size, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                         DOT_PRECISION, UPCAST)  # fmt: skip
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + local, mask=col_mask, other=0.0)
+            z += bias.to(tl.float32)[None, :]
+        if HAS_SOFTCAP:
+            z = _softcap(z, softcap)
+        if SMOOTHING:
+            z_sum += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
+        z_y += tl.sum(tl.where(local[None, :] == (y - v0)[:, None], z, 0.0), axis=1)
+        z = tl.where(col_mask[None, :], z, -float("inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+        m = m_new
+    out = part_ptr + tl.cast(split, tl.int64) * n_rows + rows
+    field = tl.cast(n_splits, tl.int64) * n_rows
+    tl.store(out, m, mask=row_mask)
+    tl.store(out + field, s, mask=row_mask)
+    tl.store(out + 2 * field, z_y, mask=row_mask)
+    tl.store(out + 3 * field, z_sum, mask=row_mask)
 
 
 @triton.jit
@@ -331,6 +605,7 @@ def lse_forward_kernel(
     n_rows,
     vocab,
     hidden_size,
+    n_splits,
     vocab_per_split,
     softcap,
     HAS_BIAS: tl.constexpr,
@@ -343,53 +618,105 @@ def lse_forward_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     """Zero-logits forward: partial statistics of ``BLOCK_M`` counted rows over one split of
-    the vocabulary, from logit tiles that stay in registers.
+    the vocabulary, from logit tiles that stay on chip.
 
-    Grid ``(cdiv(M, BLOCK_M), n_splits)``. Writes ``part[f, split, row]`` (float32) for the
-    fields f = 0 running max, 1 sum of exp relative to it, 2 the (softcapped) target logit if
-    it lies in this split else 0, 3 the sum of (softcapped) logits in the split.
+    Grid ``(cdiv(M, BLOCK_M), n_splits)``, or ``(P,)`` programs looping over the tasks
+    ``t = row_block * n_splits + split`` when ``PERSISTENT``. Writes ``part[f, split, row]``
+    (float32) for the fields f = 0 running max, 1 sum of exp relative to it, 2 the
+    (softcapped) target logit if it lies in this split else 0, 3 the sum of (softcapped)
+    logits in the split.
     """
-    pid_m = tl.program_id(0)
-    split = tl.program_id(1)
-    n_splits = tl.num_programs(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n_rows
-    row_off = tl.load(row_off_ptr + rows, mask=row_mask, other=0)
-    if ROW_ALIGN > 1:  # lets the gathered hidden-row loads be vectorised and pipelined
-        row_off = tl.multiple_of(row_off, ROW_ALIGN)
-    y = tl.load(labels_ptr + rows, mask=row_mask, other=-1)
-    m = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
-    s = tl.zeros([BLOCK_M], tl.float32)
-    z_y = tl.zeros([BLOCK_M], tl.float32)
-    z_sum = tl.zeros([BLOCK_M], tl.float32)
-    v_begin = split * vocab_per_split
-    v_end = tl.minimum(v_begin + vocab_per_split, vocab)
-    for v0 in range(v_begin, v_end, BLOCK_N):
-        cols = v0 + tl.arange(0, BLOCK_N)
-        col_mask = cols < v_end
-        z = _logits_tile(
-            h_ptr, row_off, row_mask, stride_hk, w_ptr, cols, col_mask, stride_wv, stride_wk,
-            hidden_size, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST,
-        )
-        if HAS_BIAS:
-            z += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        if HAS_SOFTCAP:
-            z = _softcap(z, softcap)
-        if SMOOTHING:
-            z_sum += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
-        z_y += tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), axis=1)
-        z = tl.where(col_mask[None, :], z, -float("inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
-        m = m_new
-    out = part_ptr + split * n_rows + rows
-    field = n_splits * n_rows
-    tl.store(out, m, mask=row_mask)
-    tl.store(out + field, s, mask=row_mask)
-    tl.store(out + 2 * field, z_y, mask=row_mask)
-    tl.store(out + 3 * field, z_sum, mask=row_mask)
+    if PERSISTENT:
+        n_tasks = tl.cdiv(n_rows, BLOCK_M) * n_splits
+        for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+            _lse_forward_task((task // n_splits) * BLOCK_M, task % n_splits, h_ptr, row_off_ptr,
+                              stride_hk, w_ptr, stride_wv, stride_wk, b_ptr, labels_ptr,
+                              part_ptr, n_rows, n_splits, vocab, hidden_size, vocab_per_split,
+                              softcap, HAS_BIAS, HAS_SOFTCAP, SMOOTHING, BLOCK_M, BLOCK_N,
+                              BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST, ROW_ALIGN)  # fmt: skip
+    else:
+        _lse_forward_task(tl.program_id(0) * BLOCK_M, tl.program_id(1), h_ptr, row_off_ptr,
+                          stride_hk, w_ptr, stride_wv, stride_wk, b_ptr, labels_ptr, part_ptr,
+                          n_rows, n_splits, vocab, hidden_size, vocab_per_split, softcap,
+                          HAS_BIAS, HAS_SOFTCAP, SMOOTHING, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                          DOT_PRECISION, UPCAST, ROW_ALIGN)  # fmt: skip
+
+
+@triton.jit
+def _backward_task(r0, c0, h_ptr, row_off_ptr, stride_hk, w_ptr, stride_wv, stride_wk, b_ptr,
+                   labels_ptr, lse_ptr, scale_ptr, scale_value, dh_acc_ptr, dw_acc_ptr, db_ptr,
+                   n_rows, v_start, n_cols, vocab, hidden_size, softcap, label_smoothing,
+                   z_loss, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, SCALE_MODE: tl.constexpr,
+                   NEED_H: tl.constexpr, NEED_W: tl.constexpr, NEED_B: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_H: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr, FIX_RNE: tl.constexpr, ROW_ALIGN: tl.constexpr,
+                   FRESH_OPERANDS: tl.constexpr, ATOMIC_SEM: tl.constexpr):  # fmt: skip
+    rows, row_mask, row_off, y = _row_block(r0, row_off_ptr, labels_ptr, n_rows, BLOCK_M,
+                                            ROW_ALIGN)  # fmt: skip
+    local = tl.arange(0, BLOCK_N)
+    col_mask = local < n_cols - c0
+    v0 = v_start + c0
+    z = _logits_tile(h_ptr, row_off, row_mask, stride_hk, w_ptr, v0, col_mask, stride_wv,
+                     stride_wk, hidden_size, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
+                     UPCAST)  # fmt: skip
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + local, mask=col_mask, other=0.0)
+        z += bias.to(tl.float32)[None, :]
+    if HAS_SOFTCAP:
+        t, slope = _tanh_and_slope(z / softcap)
+        z = softcap * t
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    if SCALE_MODE == 0:
+        scale = tl.zeros([BLOCK_M], tl.float32) + scale_value
+    elif SCALE_MODE == 1:
+        scale = tl.zeros([BLOCK_M], tl.float32) + tl.load(scale_ptr).to(tl.float32)
+    else:
+        scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    p_scale = scale
+    if Z_LOSS:
+        p_scale = scale * (1.0 + 2.0 * z_loss * lse)
+    g = tl.exp(z - lse[:, None]) * p_scale[:, None]
+    if SMOOTHING:
+        g -= (scale * (label_smoothing / vocab))[:, None]
+    if HAS_SOFTCAP:
+        g = g * slope
+    keep = row_mask[:, None] & col_mask[None, :] & (local[None, :] != (y - v0)[:, None])
+    g = tl.where(keep, g, 0.0)
+    if NEED_B:
+        _atomic_add(db_ptr + tl.cast(v0, tl.int64) + local, tl.sum(g, axis=0), col_mask,
+                    ATOMIC_SEM)  # fmt: skip
+    g_in = _cast(g, w_ptr.dtype.element_ty, FIX_RNE)  # rounded as the matmul operands are
+    hs = tl.arange(0, BLOCK_H)
+    dh_rows = dh_acc_ptr + tl.cast(r0, tl.int64) * hidden_size
+    dw_rows = dw_acc_ptr + tl.cast(c0, tl.int64) * hidden_size
+    w_tile = w_ptr + tl.cast(v0, tl.int64) * stride_wv
+    for h0 in range(0, hidden_size, BLOCK_H):
+        h_mask = hs < hidden_size - h0
+        if NEED_H:
+            w = tl.load(
+                w_tile + local[:, None] * stride_wv + (h0 + hs)[None, :] * stride_wk,
+                mask=col_mask[:, None] & h_mask[None, :],
+                other=0.0,
+            )
+            dh = _dot(_operand(g_in, FRESH_OPERANDS), w, tl.zeros([BLOCK_M, BLOCK_H], tl.float32),
+                      DOT_PRECISION, UPCAST)  # fmt: skip
+            _atomic_add(dh_rows + tl.arange(0, BLOCK_M)[:, None] * hidden_size + (h0 + hs)[None, :],
+                        dh, row_mask[:, None] & h_mask[None, :], ATOMIC_SEM)  # fmt: skip
+        if NEED_W:
+            h = tl.load(
+                h_ptr + row_off[:, None] + (h0 + hs)[None, :] * stride_hk,
+                mask=row_mask[:, None] & h_mask[None, :],
+                other=0.0,
+            )
+            dw = _dot(tl.trans(_operand(g_in, FRESH_OPERANDS)), h,
+                      tl.zeros([BLOCK_N, BLOCK_H], tl.float32), DOT_PRECISION, UPCAST)  # fmt: skip
+            _atomic_add(dw_rows + local[:, None] * hidden_size + (h0 + hs)[None, :], dw,
+                        col_mask[:, None] & h_mask[None, :], ATOMIC_SEM)  # fmt: skip
 
 
 @triton.jit
@@ -433,86 +760,40 @@ def dhidden_dweight_backward_kernel(
     UPCAST: tl.constexpr,
     FIX_RNE: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
+    FRESH_OPERANDS: tl.constexpr,
+    ATOMIC_SEM: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     """Zero-logits backward for a group of ``n_rows`` counted rows and the vocabulary columns
     ``[v_start, v_start + n_cols)``: recompute each logit tile on chip, form ``scale * dL/dz``
     without the target column and add its products into float32 accumulators with atomics:
 
-        dh_acc[r, :]          += dz[r, tile] @ W[tile, :]      (``[n_rows, H]``)
+        dh_acc[r, :]           += dz[r, tile] @ W[tile, :]      (``[n_rows, H]``)
         dw_acc[v - v_start, :] += dz[:, v]^T @ hidden[rows, :]  (``[n_cols, H]``)
         db[v]                  += sum_r dz[r, v]                 (``[V]``)
 
-    Grid ``(cdiv(n_rows, BLOCK_M), cdiv(n_cols, BLOCK_N))``. The target column is added
-    afterwards (module docstring).
+    Grid ``(cdiv(n_rows, BLOCK_M), cdiv(n_cols, BLOCK_N))``, or ``(P,)`` programs looping over
+    the tasks when ``PERSISTENT`` (task ``t`` is row block ``t % row_blocks`` of vocabulary
+    tile ``t // row_blocks``, so programs running together share a weight tile). The target
+    column is added afterwards (module docstring).
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n_rows
-    local = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = v_start + local
-    col_mask = local < n_cols
-    row_off = tl.load(row_off_ptr + rows, mask=row_mask, other=0)
-    if ROW_ALIGN > 1:  # lets the gathered hidden-row loads be vectorised and pipelined
-        row_off = tl.multiple_of(row_off, ROW_ALIGN)
-    z = _logits_tile(
-        h_ptr, row_off, row_mask, stride_hk, w_ptr, cols, col_mask, stride_wv, stride_wk,
-        hidden_size, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST,
-    )
-    if HAS_BIAS:
-        z += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_SOFTCAP:
-        z = _softcap(z, softcap)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    if SCALE_MODE == 0:
-        scale = tl.zeros([BLOCK_M], tl.float32) + scale_value
-    elif SCALE_MODE == 1:
-        scale = tl.zeros([BLOCK_M], tl.float32) + tl.load(scale_ptr).to(tl.float32)
+    if PERSISTENT:
+        row_blocks = tl.cdiv(n_rows, BLOCK_M)
+        n_tasks = row_blocks * tl.cdiv(n_cols, BLOCK_N)
+        for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+            _backward_task((task % row_blocks) * BLOCK_M, (task // row_blocks) * BLOCK_N, h_ptr,
+                           row_off_ptr, stride_hk, w_ptr, stride_wv, stride_wk, b_ptr,
+                           labels_ptr, lse_ptr, scale_ptr, scale_value, dh_acc_ptr, dw_acc_ptr,
+                           db_ptr, n_rows, v_start, n_cols, vocab, hidden_size, softcap,
+                           label_smoothing, z_loss, HAS_BIAS, HAS_SOFTCAP, SMOOTHING, Z_LOSS,
+                           SCALE_MODE, NEED_H, NEED_W, NEED_B, BLOCK_M, BLOCK_N, BLOCK_K,
+                           BLOCK_H, EVEN_K, DOT_PRECISION, UPCAST, FIX_RNE, ROW_ALIGN,
+                           FRESH_OPERANDS, ATOMIC_SEM)  # fmt: skip
     else:
-        scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    p_scale = scale
-    if Z_LOSS:
-        p_scale = scale * (1.0 + 2.0 * z_loss * lse)
-    g = tl.exp(z - lse[:, None]) * p_scale[:, None]
-    if SMOOTHING:
-        g -= (scale * (label_smoothing / vocab))[:, None]
-    if HAS_SOFTCAP:
-        t = z / softcap
-        g = g * (1.0 - t * t)
-    y = tl.load(labels_ptr + rows, mask=row_mask, other=-1)
-    keep = row_mask[:, None] & col_mask[None, :] & (cols[None, :] != y[:, None])
-    g = tl.where(keep, g, 0.0)
-    if NEED_B:
-        tl.atomic_add(db_ptr + cols, tl.sum(g, axis=0), mask=col_mask, sem="relaxed")
-    g_in = _cast(g, w_ptr.dtype.element_ty, FIX_RNE)
-    hs = tl.arange(0, BLOCK_H)
-    for h0 in range(0, hidden_size, BLOCK_H):
-        h_mask = (h0 + hs) < hidden_size
-        if NEED_H:
-            w = tl.load(
-                w_ptr + cols.to(tl.int64)[:, None] * stride_wv + (h0 + hs)[None, :] * stride_wk,
-                mask=col_mask[:, None] & h_mask[None, :],
-                other=0.0,
-            )
-            dh = _dot(g_in, w, tl.zeros([BLOCK_M, BLOCK_H], tl.float32), DOT_PRECISION, UPCAST)
-            tl.atomic_add(
-                dh_acc_ptr + rows.to(tl.int64)[:, None] * hidden_size + (h0 + hs)[None, :],
-                dh,
-                mask=row_mask[:, None] & h_mask[None, :],
-                sem="relaxed",
-            )
-        if NEED_W:
-            h = tl.load(
-                h_ptr + row_off[:, None] + (h0 + hs)[None, :] * stride_hk,
-                mask=row_mask[:, None] & h_mask[None, :],
-                other=0.0,
-            )
-            dw = _dot(
-                tl.trans(g_in), h, tl.zeros([BLOCK_N, BLOCK_H], tl.float32), DOT_PRECISION, UPCAST
-            )
-            tl.atomic_add(
-                dw_acc_ptr + local.to(tl.int64)[:, None] * hidden_size + (h0 + hs)[None, :],
-                dw,
-                mask=col_mask[:, None] & h_mask[None, :],
-                sem="relaxed",
-            )
+        _backward_task(tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, h_ptr,
+                       row_off_ptr, stride_hk, w_ptr, stride_wv, stride_wk, b_ptr, labels_ptr,
+                       lse_ptr, scale_ptr, scale_value, dh_acc_ptr, dw_acc_ptr, db_ptr, n_rows,
+                       v_start, n_cols, vocab, hidden_size, softcap, label_smoothing, z_loss,
+                       HAS_BIAS, HAS_SOFTCAP, SMOOTHING, Z_LOSS, SCALE_MODE, NEED_H, NEED_W,
+                       NEED_B, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H, EVEN_K, DOT_PRECISION,
+                       UPCAST, FIX_RNE, ROW_ALIGN, FRESH_OPERANDS, ATOMIC_SEM)  # fmt: skip

@@ -2,8 +2,9 @@
 
 The two drivers (:mod:`.chunked_path`, :mod:`.zero_logits`) call their kernels only through a
 *launcher* object (:class:`Launchers`): :data:`CUDA_LAUNCHERS` (this module, the default) runs
-the kernels of :mod:`.kernels` with the block sizes below; backend ``"ascend"`` passes its own
-(``ascend/launch.py``), which runs its persistent-grid kernels with blocks sized for the NPU.
+the kernels of :mod:`.kernels` with the block sizes below and the CUDA settings of their
+device switches; backend ``"ascend"`` passes its own (``ascend/launch.py``), which runs the
+same kernels with persistent grids and blocks sized for the NPU.
 Everything else in the drivers (matmuls, chunking, accumulators, roundings) is shared.
 
 Block sizes are chosen per device: a CUDA GPU gets sizes checked on an H200 (BENCHMARKS.md,
@@ -185,9 +186,108 @@ class Launchers(Protocol):
         None. ``scale``: a 0-d or an ``[r]`` float32 tensor."""
 
 
+def _flags(spec: LossSpec) -> dict:
+    """The loss options' compile-time switches."""
+    return dict(
+        HAS_SOFTCAP=spec.softcap is not None,
+        SMOOTHING=spec.label_smoothing != 0.0,
+        Z_LOSS=spec.z_loss != 0.0,
+    )
+
+
+def launch_logits_grad(grid, z, labels, lse, nll, loss, coef, scale, spec: LossSpec, *,
+                       compute_lse: bool, write_grad: bool, **settings) -> None:  # fmt: skip
+    """:func:`~.kernels.logits_grad_inplace_kernel` over the ``[r, V]`` chunk ``z``, with the
+    grid and the launch settings (``BLOCK_V``, device switches, warps) of the caller's
+    launchers; the other arguments as in :meth:`Launchers.logits_grad`."""
+    r, vocab = z.shape
+    mode, scale_t, scale_v = scale_args(scale if write_grad else 1.0, z.device)
+    logits_grad_inplace_kernel[grid](
+        z, z.stride(0), labels, lse, nll,
+        loss if loss is not None else lse,
+        coef if coef is not None else lse,
+        scale_t, scale_v, r, vocab,
+        float(spec.softcap or 1.0), float(spec.label_smoothing), float(spec.z_loss),
+        **_flags(spec),
+        SCALE_MODE=mode,
+        COMPUTE_LSE=compute_lse,
+        WRITE_GRAD=write_grad,
+        **settings,
+    )  # fmt: skip
+
+
+def launch_dhidden_rows(grid, dh, out_rows, part, coef, labels, weight, accumulate: bool,
+                        **settings) -> None:  # fmt: skip
+    """:func:`~.kernels.dhidden_rows_store_kernel` (see :meth:`Launchers.dhidden_rows`)."""
+    w = weight if weight is not None else dh
+    dhidden_rows_store_kernel[grid](
+        dh, dh.stride(0),
+        part if part is not None else dh,
+        part.stride(0) if part is not None else 0,
+        out_rows,
+        coef if coef is not None else out_rows,
+        labels if labels is not None else out_rows,
+        w, w.stride(0), w.stride(1),
+        out_rows.shape[0], dh.shape[1],
+        HAS_PART=part is not None,
+        ADD_TARGET=coef is not None,
+        ACCUMULATE=accumulate,
+        **settings,
+    )  # fmt: skip
+
+
+def launch_lse_forward(grid, hidden, row_off, weight, bias, labels, part, per_split: int,
+                       spec: LossSpec, **settings) -> None:  # fmt: skip
+    """:func:`~.kernels.lse_forward_kernel` into ``part`` ``[4, splits, M]`` (see
+    :meth:`Launchers.lse_forward_partials`)."""
+    vocab, hsize = weight.shape
+    lse_forward_kernel[grid](
+        hidden, row_off, hidden.stride(-1),
+        weight, weight.stride(0), weight.stride(1),
+        bias if bias is not None else weight,
+        labels, part, labels.shape[0], vocab, hsize, part.shape[1], per_split,
+        float(spec.softcap or 1.0),
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=spec.softcap is not None,
+        SMOOTHING=spec.label_smoothing != 0.0,
+        EVEN_K=hsize % settings["BLOCK_K"] == 0,
+        **settings,
+    )  # fmt: skip
+
+
+def launch_dhidden_dweight_backward(grid, hidden, row_off, weight, bias, labels, lse, scale,
+                                    dh_acc, dw_acc, db, v_start: int, n_cols: int,
+                                    spec: LossSpec, **settings) -> None:  # fmt: skip
+    """:func:`~.kernels.dhidden_dweight_backward_kernel` (see
+    :meth:`Launchers.dhidden_dweight_backward`)."""
+    vocab, hsize = weight.shape
+    mode, scale_t, scale_v = scale_args(scale, hidden.device)
+    dummy = lse  # float32, like the accumulators it stands in for
+    dhidden_dweight_backward_kernel[grid](
+        hidden, row_off, hidden.stride(-1),
+        weight, weight.stride(0), weight.stride(1),
+        bias if bias is not None else weight,
+        labels, lse, scale_t, scale_v,
+        dh_acc if dh_acc is not None else dummy,
+        dw_acc if dw_acc is not None else dummy,
+        db if db is not None else dummy,
+        labels.shape[0], v_start, n_cols, vocab, hsize,
+        float(spec.softcap or 1.0), float(spec.label_smoothing), float(spec.z_loss),
+        HAS_BIAS=bias is not None,
+        **_flags(spec),
+        SCALE_MODE=mode,
+        NEED_H=dh_acc is not None,
+        NEED_W=dw_acc is not None,
+        NEED_B=db is not None,
+        EVEN_K=hsize % settings["BLOCK_K"] == 0,
+        **settings,
+    )  # fmt: skip
+
+
 class CudaLaunchers:
-    """:class:`Launchers` with the kernels of :mod:`.kernels`: CUDA/ROCm tensors, or CPU
-    tensors under the interpreter. Stateless; settings come from the functions above."""
+    """:class:`Launchers` with the kernels of :mod:`.kernels` and their CUDA switches: CUDA/ROCm
+    tensors, or CPU tensors under the interpreter. Stateless; settings come from the
+    functions above."""
 
     def logits_grad(self, z, labels, lse, nll, loss, coef, scale, spec, *, compute_lse,
                     write_grad):  # fmt: skip
@@ -195,33 +295,12 @@ class CudaLaunchers:
         if r == 0:
             return
         cfg = row_kernel_config(vocab, z.device)
-        mode, scale_t, scale_v = scale_args(scale if write_grad else 1.0, z.device)
-        dummy = lse
-        logits_grad_inplace_kernel[(r,)](
-            z,
-            z.stride(0),
-            labels,
-            lse,
-            nll,
-            loss if loss is not None else dummy,
-            coef if coef is not None else dummy,
-            scale_t,
-            scale_v,
-            vocab,
-            float(spec.softcap or 1.0),
-            float(spec.label_smoothing),
-            float(spec.z_loss),
-            HAS_SOFTCAP=spec.softcap is not None,
-            SMOOTHING=spec.label_smoothing != 0.0,
-            Z_LOSS=spec.z_loss != 0.0,
-            SCALE_MODE=mode,
-            COMPUTE_LSE=compute_lse,
-            WRITE_GRAD=write_grad,
-            BLOCK_V=cfg.block_v,
-            FIX_RNE=z.device.type == "cpu",
-            NUM_STAGES=cfg.num_stages,
-            num_warps=cfg.num_warps,
-        )
+        launch_logits_grad(
+            (r,), z, labels, lse, nll, loss, coef, scale, spec,
+            compute_lse=compute_lse, write_grad=write_grad,
+            BLOCK_V=cfg.block_v, FIX_RNE=z.device.type == "cpu", NUM_STAGES=cfg.num_stages,
+            LANE_SUMS=True, PERSISTENT=False, num_warps=cfg.num_warps,
+        )  # fmt: skip
 
     def dhidden_rows(self, dh, out_rows, *, part=None, coef=None, labels=None, weight=None,
                      accumulate=False):  # fmt: skip
@@ -230,27 +309,11 @@ class CudaLaunchers:
         if r == 0:
             return
         block_h = min(1024 if dh.device.type == "cuda" else 256, _pow2(hsize))
-        dummy = out_rows
-        w = weight if weight is not None else dh
-        dhidden_rows_store_kernel[(r, triton_cdiv(hsize, block_h))](
-            dh,
-            dh.stride(0),
-            part if part is not None else dh,
-            part.stride(0) if part is not None else 0,
-            out_rows,
-            coef if coef is not None else dummy,
-            labels if labels is not None else dummy,
-            w,
-            w.stride(0),
-            w.stride(1),
-            hsize,
-            HAS_PART=part is not None,
-            ADD_TARGET=coef is not None,
-            ACCUMULATE=accumulate,
-            BLOCK_H=block_h,
-            FIX_RNE=dh.device.type == "cpu",
+        launch_dhidden_rows(
+            (r, triton_cdiv(hsize, block_h)), dh, out_rows, part, coef, labels, weight,
+            accumulate, BLOCK_H=block_h, FIX_RNE=dh.device.type == "cpu", PERSISTENT=False,
             num_warps=4,
-        )
+        )  # fmt: skip
 
     def sort_by_label(self, labels):
         """``torch.sort(labels, stable=True)``: sorted labels and each one's row index."""
@@ -290,7 +353,7 @@ class CudaLaunchers:
 
     def lse_forward_partials(self, hidden, row_off, weight, bias, labels, spec):
         m = labels.shape[0]
-        vocab, hsize = weight.shape
+        vocab = weight.shape[0]
         dev = hidden.device
         cfg = forward_tile_config(weight.dtype, dev)
         row_blocks = triton_cdiv(m, cfg.block_m)
@@ -299,20 +362,11 @@ class CudaLaunchers:
         per_split = triton_cdiv(triton_cdiv(vocab, splits), cfg.block_n) * cfg.block_n
         splits = triton_cdiv(vocab, per_split)
         part = torch.empty(4, splits, m, dtype=torch.float32, device=dev)
-        lse_forward_kernel[(row_blocks, splits)](
-            hidden, row_off, hidden.stride(-1),
-            weight, weight.stride(0), weight.stride(1),
-            bias if bias is not None else weight,
-            labels, part, m, vocab, hsize, per_split,
-            float(spec.softcap or 1.0),
-            HAS_BIAS=bias is not None,
-            HAS_SOFTCAP=spec.softcap is not None,
-            SMOOTHING=spec.label_smoothing != 0.0,
+        launch_lse_forward(
+            (row_blocks, splits), hidden, row_off, weight, bias, labels, part, per_split, spec,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            EVEN_K=hsize % cfg.block_k == 0,
-            DOT_PRECISION=dot_precision(weight.dtype),
-            UPCAST=dev.type == "cpu",
-            ROW_ALIGN=row_align(hidden),
+            DOT_PRECISION=dot_precision(weight.dtype), UPCAST=dev.type == "cpu",
+            ROW_ALIGN=row_align(hidden), PERSISTENT=False,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return part
@@ -322,41 +376,16 @@ class CudaLaunchers:
 
     def dhidden_dweight_backward(self, hidden, row_off, weight, bias, labels, lse, scale,
                                  dh_acc, dw_acc, db, v_start, n_cols, spec):  # fmt: skip
-        r = labels.shape[0]
-        vocab, hsize = weight.shape
         dev = hidden.device
         tc = backward_tile_config(weight.dtype, dev)
-        mode, scale_t, scale_v = scale_args(scale, dev)
-        dummy = lse  # float32, like the accumulators it stands in for
-        dhidden_dweight_backward_kernel[
-            (triton_cdiv(r, tc.block_m), triton_cdiv(n_cols, tc.block_n))
-        ](
-            hidden, row_off, hidden.stride(-1),
-            weight, weight.stride(0), weight.stride(1),
-            bias if bias is not None else weight,
-            labels, lse, scale_t, scale_v,
-            dh_acc if dh_acc is not None else dummy,
-            dw_acc if dw_acc is not None else dummy,
-            db if db is not None else dummy,
-            r, v_start, n_cols, vocab, hsize,
-            float(spec.softcap or 1.0),
-            float(spec.label_smoothing),
-            float(spec.z_loss),
-            HAS_BIAS=bias is not None,
-            HAS_SOFTCAP=spec.softcap is not None,
-            SMOOTHING=spec.label_smoothing != 0.0,
-            Z_LOSS=spec.z_loss != 0.0,
-            SCALE_MODE=mode,
-            NEED_H=dh_acc is not None,
-            NEED_W=dw_acc is not None,
-            NEED_B=db is not None,
-            BLOCK_M=tc.block_m, BLOCK_N=tc.block_n, BLOCK_K=tc.block_k,
-            BLOCK_H=tc.block_h,
-            EVEN_K=hsize % tc.block_k == 0,
-            DOT_PRECISION=dot_precision(weight.dtype),
-            UPCAST=dev.type == "cpu",
-            FIX_RNE=dev.type == "cpu",
-            ROW_ALIGN=row_align(hidden),
+        grid = (triton_cdiv(labels.shape[0], tc.block_m), triton_cdiv(n_cols, tc.block_n))
+        launch_dhidden_dweight_backward(
+            grid, hidden, row_off, weight, bias, labels, lse, scale, dh_acc, dw_acc, db,
+            v_start, n_cols, spec,
+            BLOCK_M=tc.block_m, BLOCK_N=tc.block_n, BLOCK_K=tc.block_k, BLOCK_H=tc.block_h,
+            DOT_PRECISION=dot_precision(weight.dtype), UPCAST=dev.type == "cpu",
+            FIX_RNE=dev.type == "cpu", ROW_ALIGN=row_align(hidden), FRESH_OPERANDS=False,
+            ATOMIC_SEM="relaxed", PERSISTENT=False,
             num_warps=tc.num_warps, num_stages=tc.num_stages,
         )  # fmt: skip
 
