@@ -1,0 +1,168 @@
+"""Worker side of the CPU/gloo distributed tests (spawned by test_distributed.py).
+
+Each worker builds the same tiny Llama (seed 0), patches it with the fused loss (``torch``
+backend, spied), wraps it in one distributed mode, runs one forward/backward on its half of a
+fixed batch, and rank 0 saves the averaged loss, the full (gathered) gradient of every
+parameter and what the spy saw. Both halves hold the same number of counted tokens, so the mean
+of the per-rank mean losses (and the averaged gradients) equal one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+VOCAB, HIDDEN, BATCH, SEQ = 211, 32, 4, 9
+MODES = ("ddp", "fsdp2_root", "fsdp2_head", "fsdp2_tied", "fsdp1_head")
+#: Modes that must raise: the head's weight would be read as a shard.
+REFUSED = ("fsdp2_head_unhooked",)
+
+
+def build(tied: bool, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attn_implementation="eager", tie_word_embeddings=tied,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.train()
+    return model
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return ids, ids.clone()  # no ignored label: both halves count the same number of tokens
+
+
+def clean(name: str) -> str:
+    for junk in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module."):
+        name = name.replace(junk, "")
+    return name
+
+
+class BackendSpy:
+    """Counts calls of the torch backend and records the weight shape each call saw."""
+
+    def __init__(self):
+        from fused_ce_patch import backends
+
+        self.impl = backends.get_backend("torch")
+        self.shapes = []
+        original = type(self.impl).run
+
+        def run(impl, problem):
+            self.shapes.append(tuple(problem.weight.shape))
+            return original(impl, problem)
+
+        self.impl.run = run.__get__(self.impl)
+
+    def close(self):
+        del self.impl.run
+
+
+def wrap(model, mode):
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    if mode == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    if mode.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        if mode.startswith("fsdp2_head"):
+            fully_shard(model.lm_head, mesh=mesh)  # the head as its own unit
+        if mode == "fsdp2_head_unhooked":  # a head whose gathering hooks were taken away
+            model.lm_head._forward_pre_hooks.clear()
+            model.lm_head._forward_hooks.clear()
+        fully_shard(model, mesh=mesh)
+        return model
+    if mode == "fsdp1_head":
+        import functools
+
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+        head = model.lm_head
+        policy = functools.partial(
+            lambda_auto_wrap_policy,
+            lambda_fn=lambda m: m is head or isinstance(m, LlamaDecoderLayer),
+        )
+        return FSDP(model, auto_wrap_policy=policy, use_orig_params=True,
+                    device_id=torch.device("cpu"))
+    raise ValueError(mode)
+
+
+def full_grads(model, mode):
+    if mode == "fsdp1_head":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model, with_grads=True):
+            return {clean(n): p.grad.detach().clone() for n, p in model.named_parameters()}
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        if hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        out[clean(n)] = g.detach().clone()
+    return out
+
+
+def run_mode(rank, world, mode, out_dir):
+    from fused_ce_patch import apply_fused_ce
+
+    model = build(tied=mode == "fsdp2_tied")
+    apply_fused_ce(model, backend="torch")
+    model = wrap(model, mode)
+    if mode == "fsdp2_head":
+        from fused_ce_patch.hf.head import _gatherer
+
+        head = model.lm_head
+        assert {_gatherer(h) for h in head._forward_pre_hooks.values()} == {"FSDP2 (fully_shard)"}
+    ids, labels = batch()
+    half = BATCH // world
+    rows = slice(rank * half, (rank + 1) * half)
+    spy = BackendSpy()
+    try:
+        out = model(input_ids=ids[rows], labels=labels[rows])
+        out.loss.backward()
+    finally:
+        spy.close()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    loss /= world
+    grads = full_grads(model, mode)
+    if rank == 0:
+        torch.save({"loss": loss, "grads": grads, "spy": spy.shapes},
+                   os.path.join(out_dir, f"{mode}.pt"))
+    dist.barrier()
+
+
+def worker(rank, world, init_file, modes, out_dir):
+    torch.set_num_threads(1)
+    import datetime
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        for mode in modes:
+            try:
+                run_mode(rank, world, mode, out_dir)
+            except Exception as exc:  # recorded for the test to report; other modes go on
+                if rank == 0:
+                    with open(os.path.join(out_dir, f"{mode}.err"), "w") as f:
+                        import traceback
+
+                        f.write("".join(traceback.format_exception(exc)))
+                dist.barrier()
+    finally:
+        dist.destroy_process_group()
