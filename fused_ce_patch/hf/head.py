@@ -69,8 +69,13 @@ def _peft_classes():
 
 def _gatherer(hook) -> str | None:
     """Which parameter-sharding wrapper registered ``hook`` (None: unknown purpose)."""
-    while True:  # look through functools.wraps / torch.compiler.disable layers
+    while True:  # look through functools.wraps / torch.compiler.disable / partial layers
         inner = getattr(hook, "__wrapped__", None) or getattr(hook, "func", None)
+        if inner is None and getattr(hook, "__module__", "") == "deepspeed.utils.nvtx":
+            # DeepSpeed's instrument_w_nvtx wraps without functools.wraps: the hook is the
+            # function in the wrapper's closure.
+            cells = [c.cell_contents for c in hook.__closure__ or ()]
+            inner = next((c for c in cells if callable(c)), None)
         if inner is None or inner is hook:
             break
         hook = inner
