@@ -9,14 +9,22 @@ of the per-rank mean losses (and the averaged gradients) equal one process on th
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-VOCAB, HIDDEN, BATCH, SEQ = 211, 32, 4, 9
+VOCAB, HIDDEN, BATCH, SEQ, WORLD = 211, 32, 4, 9, 2
 MODES = ("ddp", "fsdp2_root", "fsdp2_head", "fsdp2_tied", "fsdp1_head")
+#: Through accelerate's Accelerator, a plain prepare/backward loop (FSDP: see accelerate_prepare).
+ACCELERATE_MODES = ("acc_ddp",)
+#: DeepSpeed (needs the deepspeed package; DS_ACCELERATOR=cpu): ZeRO-2 and ZeRO-3 through
+#: accelerate's DeepSpeedPlugin, and ZeRO-3 through deepspeed.initialize.
+DEEPSPEED_MODES = ("acc_zero2", "acc_zero3", "ds_zero3")
+#: Partition every parameter: by default ZeRO-3 keeps small ones (< 1e5 elements) whole.
+ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
 #: Modes that must raise: the head's weight would be read as a shard.
 REFUSED = ("fsdp2_head_unhooked",)
 
@@ -102,8 +110,66 @@ def wrap(model, mode):
     raise ValueError(mode)
 
 
+def accelerate_prepare(model, mode):
+    """``accelerator.prepare`` for ``mode``; returns (model, accelerator).
+
+    FSDP through accelerate cannot run here: accelerate 1.15 turns its FSDP plugin on only for
+    multi-accelerator runs; on CPU processes it prepares plain DDP instead (checked below).
+    """
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)  # one Accelerator per mode in this process
+    ds_plugin = None
+    if "zero" in mode:
+        from accelerate.utils import DeepSpeedPlugin
+
+        ds_plugin = DeepSpeedPlugin(zero_stage=int(mode[-1]), gradient_accumulation_steps=1)
+        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = BATCH // WORLD
+        ds_plugin.deepspeed_config["train_batch_size"] = BATCH
+        ds_plugin.deepspeed_config["zero_allow_untested_optimizer"] = True
+        if mode.endswith("zero3"):
+            ds_plugin.deepspeed_config["zero_optimization"].update(ZERO3)
+    # cpu=True would make accelerate drop a DeepSpeed plugin (plain DDP instead); without an
+    # accelerator DeepSpeed runs on the CPU anyway (DS_ACCELERATOR=cpu).
+    acc = Accelerator(cpu=ds_plugin is None, deepspeed_plugin=ds_plugin)
+    expected = "DEEPSPEED" if ds_plugin is not None else "MULTI_CPU"
+    assert acc.distributed_type.name == expected, acc.distributed_type
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, _ = acc.prepare(model, opt)
+    return model, acc
+
+
+def head_kind(model) -> str:
+    """How the head is wrapped: "fsdp1" / "fsdp2" when it is its own unit, else "plain"."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    head = [m for n, m in model.named_modules() if n.endswith("lm_head")][0]
+    if isinstance(head, FullyShardedDataParallel):
+        return "fsdp1"
+    if hasattr(head.weight, "ds_id") and not head.weight.ds_persist:  # a ZeRO-3 partition
+        return "zero3"
+    return "fsdp2" if isinstance(head, FSDPModule) else "plain"
+
+
+def deepspeed_initialize(model):
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": BATCH // WORLD, "zero_allow_untested_optimizer": True,
+              "zero_optimization": ZERO3}
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine
+
+
 def full_grads(model, mode):
-    if mode == "fsdp1_head":
+    if "zero" in mode:
+        from deepspeed.utils import safe_get_full_grad
+
+        module = model.module
+        return {clean(n): safe_get_full_grad(p).detach().clone()
+                for n, p in module.named_parameters()}
+    if "fsdp1" in mode:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         with FSDP.summon_full_params(model, with_grads=True):
@@ -122,19 +188,25 @@ def run_mode(rank, world, mode, out_dir):
 
     model = build(tied=mode == "fsdp2_tied")
     apply_fused_ce(model, backend="torch")
-    model = wrap(model, mode)
-    if mode == "fsdp2_head":
-        from fused_ce_patch.hf.head import _gatherer
-
-        head = model.lm_head
-        assert {_gatherer(h) for h in head._forward_pre_hooks.values()} == {"FSDP2 (fully_shard)"}
+    if mode.startswith("acc_"):
+        model, acc = accelerate_prepare(model, mode)
+        # accelerate's backward also steps a DeepSpeed engine (and frees the gradients):
+        # call the engine's own backward to read the gradients of this one step.
+        backward = model.backward if "zero" in mode else acc.backward
+    elif mode == "ds_zero3":
+        model = deepspeed_initialize(model)
+        backward = model.backward
+    else:
+        model = wrap(model, mode)
+        backward = torch.Tensor.backward
+    head_unit = head_kind(model)
     ids, labels = batch()
     half = BATCH // world
     rows = slice(rank * half, (rank + 1) * half)
     spy = BackendSpy()
     try:
         out = model(input_ids=ids[rows], labels=labels[rows])
-        out.loss.backward()
+        backward(out.loss)
     finally:
         spy.close()
     loss = out.loss.detach().clone()
@@ -142,13 +214,20 @@ def run_mode(rank, world, mode, out_dir):
     loss /= world
     grads = full_grads(model, mode)
     if rank == 0:
-        torch.save({"loss": loss, "grads": grads, "spy": spy.shapes},
+        torch.save({"loss": loss, "grads": grads, "spy": spy.shapes, "head_unit": head_unit},
                    os.path.join(out_dir, f"{mode}.pt"))
     dist.barrier()
 
 
 def worker(rank, world, init_file, modes, out_dir):
     torch.set_num_threads(1)
+    if any("zero" in m for m in modes):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        # deepspeed.zero.Init-style Tensor patches must not meet a first torch._dynamo import.
+        importlib.import_module("torch._dynamo")
+    # What torch.distributed.run exports; accelerate reads these (the group is made below).
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     import datetime
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,

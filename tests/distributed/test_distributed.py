@@ -1,13 +1,15 @@
 """Distributed modes on CPU with 2 processes and gloo: the patched model's loss and gathered
 gradients after one step equal one process running the stock (unpatched) model on the whole
-batch, and a spy shows the fused kernel ran on the full ``[V, H]`` weight.
+batch, a spy shows the fused kernel ran once on the full ``[V, H]`` weight, and heads meant to
+be their own shard unit really were.
 
-All modes run in one spawn (imports dominate the cost); each mode is then one test.
+Modes (dist_workers.py): DDP; FSDP2 with the head in the root unit, as its own unit, and tied
+to the embedding; FSDP1 with the head as its own unit; the same through accelerate's
+Accelerator and plugins. All run in one spawn (imports dominate the cost); each mode is then
+one test. DeepSpeed modes are in test_deepspeed.py.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -15,7 +17,6 @@ import torch
 import dist_workers as w
 
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
-WORLD = 2
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -23,13 +24,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def spawn(tmp_path_factory, modes):
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("dist")
-    modes = (*w.MODES, *w.REFUSED)
-    mp.spawn(w.worker, args=(WORLD, str(out / "init"), modes, str(out)), nprocs=WORLD)
+    mp.spawn(w.worker, args=(w.WORLD, str(out / "init"), modes, str(out)), nprocs=w.WORLD)
     return out
 
 
@@ -48,21 +47,36 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("mode", w.MODES)
-def test_mode_matches_single_process_stock(results, mode):
+def check_mode(results, mode, expected_unit):
     err = results / f"{mode}.err"
     assert not err.exists(), err.read_text()
     got = torch.load(results / f"{mode}.pt")
+    assert got["head_unit"] == expected_unit, "how the head was sharded"
     assert got["spy"] == [(w.VOCAB, w.HIDDEN)], "the fused kernel must run once on the full weight"
-    loss, grads = _reference(tied=mode == "fsdp2_tied")
+    loss, grads = _reference(tied="tied" in mode)
     assert _rel(got["loss"], loss) <= LOSS_RTOL, (got["loss"], loss)
     assert set(got["grads"]) == set(grads)
     for name, g in grads.items():
         assert _rel(got["grads"][name], g) <= GRAD_RTOL, name
 
 
-def test_sharded_weight_is_refused(results):
-    err = results / "fsdp2_head_unhooked.err"
-    assert err.exists(), "reading a DTensor shard must raise"
+def check_refused(results, mode, words):
+    err = results / f"{mode}.err"
+    assert err.exists(), f"{mode}: reading a shard must raise"
     text = err.read_text()
-    assert "UnsupportedModelError" in text and "DTensor" in text, text
+    assert "UnsupportedModelError" in text and words in text, text
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return spawn(tmp_path_factory, (*w.MODES, *w.ACCELERATE_MODES, *w.REFUSED))
+
+
+@pytest.mark.parametrize("mode", (*w.MODES, *w.ACCELERATE_MODES))
+def test_mode_matches_single_process_stock(results, mode):
+    unit = mode.split("_")[-2] if mode.endswith("_head") else "plain"
+    check_mode(results, mode, unit)
+
+
+def test_sharded_weight_is_refused(results):
+    check_refused(results, "fsdp2_head_unhooked", "DTensor")
