@@ -23,6 +23,13 @@ ACCELERATE_MODES = ("acc_ddp",)
 #: DeepSpeed (needs the deepspeed package; DS_ACCELERATOR=cpu): ZeRO-2 and ZeRO-3 through
 #: accelerate's DeepSpeedPlugin, and ZeRO-3 through deepspeed.initialize.
 DEEPSPEED_MODES = ("acc_zero2", "acc_zero3", "ds_zero3")
+#: transformers Trainer with the flag and FusedCECallback (one SGD step; gradients are read
+#: back from the weight change). Trainer `fsdp=` cannot run on CPU (see accelerate_prepare),
+#: nor Trainer `deepspeed=`: without an accelerator, accelerate 1.15's PartialState counts one
+#: process when DeepSpeed is on, and Trainer's batch-size bookkeeping then disagrees with
+#: DeepSpeed's ("train_batch_size ... mismatch").
+TRAINER_MODES = ("trainer_ddp",)
+TRAINER_LR = 100.0
 #: Partition every parameter: by default ZeRO-3 keeps small ones (< 1e5 elements) whole.
 ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
 #: Modes that must raise: the head's weight would be read as a shard.
@@ -183,7 +190,46 @@ def full_grads(model, mode):
     return out
 
 
+def run_trainer(rank, world, mode, out_dir):
+    from transformers import Trainer
+
+    from fused_ce_patch import FusedCECallback, FusedCETrainingArguments
+
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    model = build(tied=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids, labels = batch()
+    rows = [{"input_ids": i, "labels": y} for i, y in zip(ids, labels)]
+    args = FusedCETrainingArguments(
+        output_dir=os.path.join(out_dir, mode), use_fused_ce=True, fused_ce_backend="torch",
+        per_device_train_batch_size=BATCH // world, max_steps=1, learning_rate=TRAINER_LR,
+        optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+        logging_steps=1, report_to=[], save_strategy="no", seed=0, dataloader_num_workers=0,
+        use_cpu=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=rows,
+                      callbacks=[FusedCECallback()])
+    assert trainer.accelerator.distributed_type.name == "MULTI_CPU"
+    spy = BackendSpy()
+    try:
+        result = trainer.train()
+    finally:
+        spy.close()
+    head_unit = head_kind(trainer.model_wrapped)
+    after = {clean(n): p.detach() for n, p in trainer.model.named_parameters()}
+    grads = {n: (before[n] - after[n]) / TRAINER_LR for n in before}
+    if rank == 0:
+        torch.save({"loss": torch.tensor(result.training_loss), "grads": grads,
+                    "spy": spy.shapes, "head_unit": head_unit},
+                   os.path.join(out_dir, f"{mode}.pt"))
+    dist.barrier()
+
+
 def run_mode(rank, world, mode, out_dir):
+    if mode.startswith("trainer_"):
+        return run_trainer(rank, world, mode, out_dir)
     from fused_ce_patch import apply_fused_ce
 
     model = build(tied=mode == "fsdp2_tied")

@@ -5,7 +5,7 @@ be their own shard unit really were.
 
 Modes (dist_workers.py): DDP; FSDP2 with the head in the root unit, as its own unit, and tied
 to the embedding; FSDP1 with the head as its own unit; the same through accelerate's
-Accelerator and plugins. All run in one spawn (imports dominate the cost); each mode is then
+Accelerator (DDP) and transformers' Trainer with the flag (DDP). All run in one spawn (imports dominate the cost); each mode is then
 one test. DeepSpeed modes are in test_deepspeed.py.
 """
 
@@ -69,10 +69,10 @@ def check_refused(results, mode, words):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return spawn(tmp_path_factory, (*w.MODES, *w.ACCELERATE_MODES, *w.REFUSED))
+    return spawn(tmp_path_factory, (*w.MODES, *w.ACCELERATE_MODES, *w.TRAINER_MODES, *w.REFUSED))
 
 
-@pytest.mark.parametrize("mode", (*w.MODES, *w.ACCELERATE_MODES))
+@pytest.mark.parametrize("mode", (*w.MODES, *w.ACCELERATE_MODES, *w.TRAINER_MODES))
 def test_mode_matches_single_process_stock(results, mode):
     unit = mode.split("_")[-2] if mode.endswith("_head") else "plain"
     check_mode(results, mode, unit)
