@@ -222,7 +222,7 @@ def run_trainer(rank, world, mode, out_dir):
     grads = {n: (before[n] - after[n]) / TRAINER_LR for n in before}
     if rank == 0:
         torch.save({"loss": torch.tensor(result.training_loss), "grads": grads,
-                    "spy": spy.shapes, "head_unit": head_unit},
+                    "spy": spy.shapes, "head_unit": head_unit, "steps": 1},
                    os.path.join(out_dir, f"{mode}.pt"))
     dist.barrier()
 
@@ -249,10 +249,16 @@ def run_mode(rank, world, mode, out_dir):
     ids, labels = batch()
     half = BATCH // world
     rows = slice(rank * half, (rank + 1) * half)
+    # torch-native wrappers run the step twice (gradients cleared in between): the second
+    # step shows the head's wrapper state survived the first (resharded, hooks re-armed).
+    steps = 2 if mode in MODES else 1
     spy = BackendSpy()
     try:
-        out = model(input_ids=ids[rows], labels=labels[rows])
-        backward(out.loss)
+        for step in range(steps):
+            if step:
+                model.zero_grad(set_to_none=True)
+            out = model(input_ids=ids[rows], labels=labels[rows])
+            backward(out.loss)
     finally:
         spy.close()
     loss = out.loss.detach().clone()
@@ -260,8 +266,8 @@ def run_mode(rank, world, mode, out_dir):
     loss /= world
     grads = full_grads(model, mode)
     if rank == 0:
-        torch.save({"loss": loss, "grads": grads, "spy": spy.shapes, "head_unit": head_unit},
-                   os.path.join(out_dir, f"{mode}.pt"))
+        torch.save({"loss": loss, "grads": grads, "spy": spy.shapes, "head_unit": head_unit,
+                    "steps": steps}, os.path.join(out_dir, f"{mode}.pt"))
     dist.barrier()
 
 
