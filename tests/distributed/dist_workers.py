@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-VOCAB, HIDDEN, BATCH, SEQ, WORLD = 211, 32, 4, 9, 2
-MODES = ("ddp", "fsdp2_root", "fsdp2_head", "fsdp2_tied", "fsdp1_head")
+VOCAB, HIDDEN, BATCH, SEQ, WORLD, LORA_RANK = 211, 32, 4, 9, 2, 4
+MODES = ("ddp", "fsdp2_root", "fsdp2_head", "fsdp2_tied", "fsdp1_head", "fsdp2_lora_head")
 #: Through accelerate's Accelerator, a plain prepare/backward loop (FSDP: see accelerate_prepare).
 ACCELERATE_MODES = ("acc_ddp",)
 #: DeepSpeed (needs the deepspeed package; DS_ACCELERATOR=cpu): ZeRO-2 and ZeRO-3 through
@@ -47,6 +47,19 @@ def build(tied: bool, seed: int = 0):
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     model.train()
+    return model
+
+
+def build_for(mode: str):
+    """The model of ``mode``: tied for ``*_tied``, PEFT LoRA on lm_head for ``*_lora_*``."""
+    model = build(tied="tied" in mode)
+    if "lora" in mode:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(2)  # random A and B (init_lora_weights=False): both get gradients
+        cfg = LoraConfig(r=LORA_RANK, lora_alpha=8, lora_dropout=0.0, target_modules=["lm_head"],
+                         init_lora_weights=False)
+        model = get_peft_model(model, cfg)
     return model
 
 
@@ -92,10 +105,11 @@ def wrap(model, mode):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model.model.layers:
+        causal_lm = model.get_base_model() if "lora" in mode else model
+        for layer in causal_lm.model.layers:
             fully_shard(layer, mesh=mesh)
-        if mode.startswith("fsdp2_head"):
-            fully_shard(model.lm_head, mesh=mesh)  # the head as its own unit
+        if mode.startswith("fsdp2_head") or mode == "fsdp2_lora_head":
+            fully_shard(causal_lm.lm_head, mesh=mesh)  # the head as its own unit
         if mode == "fsdp2_head_unhooked":  # a head whose gathering hooks were taken away
             model.lm_head._forward_pre_hooks.clear()
             model.lm_head._forward_hooks.clear()
@@ -184,6 +198,8 @@ def full_grads(model, mode):
     out = {}
     for n, p in model.named_parameters():
         g = p.grad
+        if g is None:  # frozen (PEFT base weights)
+            continue
         if hasattr(g, "full_tensor"):
             g = g.full_tensor()
         out[clean(n)] = g.detach().clone()
@@ -232,7 +248,7 @@ def run_mode(rank, world, mode, out_dir):
         return run_trainer(rank, world, mode, out_dir)
     from fused_ce_patch import apply_fused_ce
 
-    model = build(tied=mode == "fsdp2_tied")
+    model = build_for(mode)
     apply_fused_ce(model, backend="torch")
     if mode.startswith("acc_"):
         model, acc = accelerate_prepare(model, mode)

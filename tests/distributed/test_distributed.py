@@ -4,7 +4,7 @@ batch, a spy shows the fused kernel ran once on the full ``[V, H]`` weight, and 
 be their own shard unit really were.
 
 Modes (dist_workers.py): DDP; FSDP2 with the head in the root unit, as its own unit, and tied
-to the embedding; FSDP1 with the head as its own unit; the same through accelerate's
+to the embedding; FSDP1 with the head as its own unit; FSDP2 with a PEFT LoRA head as its own unit; the same through accelerate's
 Accelerator (DDP) and transformers' Trainer with the flag (DDP). All run in one spawn (imports dominate the cost); each mode is then
 one test. DeepSpeed modes are in test_deepspeed.py.
 """
@@ -32,15 +32,16 @@ def spawn(tmp_path_factory, modes):
     return out
 
 
-def _reference(tied: bool):
+def _reference(mode: str):
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    model = w.build(tied=tied)
-    model.loss_function = ForCausalLMLoss  # transformers' own loss, whatever LOSS_MAPPING holds
+    model = w.build_for(mode)
+    causal_lm = model.get_base_model() if "lora" in mode else model
+    causal_lm.loss_function = ForCausalLMLoss  # transformers' own loss, whatever LOSS_MAPPING holds
     ids, labels = w.batch()
     out = model(input_ids=ids, labels=labels)
     out.loss.backward()
-    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _rel(a, b):
@@ -52,8 +53,9 @@ def check_mode(results, mode, expected_unit):
     assert not err.exists(), err.read_text()
     got = torch.load(results / f"{mode}.pt")
     assert got["head_unit"] == expected_unit, "how the head was sharded"
-    assert got["spy"] == [(w.VOCAB, w.HIDDEN)] * got["steps"], "fused kernel, full weight, each step"
-    loss, grads = _reference(tied="tied" in mode)
+    width = w.HIDDEN + (w.LORA_RANK if "lora" in mode else 0)  # LoRA: [W | B], see hf/head.py
+    assert got["spy"] == [(w.VOCAB, width)] * got["steps"], "fused kernel, full weight, each step"
+    loss, grads = _reference(mode)
     assert _rel(got["loss"], loss) <= LOSS_RTOL, (got["loss"], loss)
     assert set(got["grads"]) == set(grads)
     for name, g in grads.items():
@@ -74,7 +76,7 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", (*w.MODES, *w.ACCELERATE_MODES, *w.TRAINER_MODES))
 def test_mode_matches_single_process_stock(results, mode):
-    unit = mode.split("_")[-2] if mode.endswith("_head") else "plain"
+    unit = mode.split("_")[0] if mode.endswith("_head") else "plain"
     check_mode(results, mode, unit)
 
 
