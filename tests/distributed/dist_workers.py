@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 VOCAB, HIDDEN, BATCH, SEQ, WORLD, LORA_RANK = 211, 32, 4, 9, 2, 4
-MODES = ("ddp", "fsdp2_root", "fsdp2_head", "fsdp2_tied", "fsdp1_head", "fsdp2_lora_head")
+MODES = ("ddp", "fsdp2_root", "fsdp2_head", "fsdp2_tied", "fsdp1_head", "fsdp2_lora_head",
+         "fsdp2_head_late", "fsdp1_head_late")
 #: Through accelerate's Accelerator, a plain prepare/backward loop (FSDP: see accelerate_prepare).
 ACCELERATE_MODES = ("acc_ddp",)
 #: DeepSpeed (needs the deepspeed package; DS_ACCELERATOR=cpu): ZeRO-2 and ZeRO-3 through
@@ -249,7 +250,10 @@ def run_mode(rank, world, mode, out_dir):
     from fused_ce_patch import apply_fused_ce
 
     model = build_for(mode)
-    apply_fused_ce(model, backend="torch")
+    name, late = mode, mode.endswith("_late")  # late: patch after wrapping (hooks in place)
+    mode = mode.removesuffix("_late")
+    if not late:
+        apply_fused_ce(model, backend="torch")
     if mode.startswith("acc_"):
         model, acc = accelerate_prepare(model, mode)
         # accelerate's backward also steps a DeepSpeed engine (and frees the gradients):
@@ -261,13 +265,15 @@ def run_mode(rank, world, mode, out_dir):
     else:
         model = wrap(model, mode)
         backward = torch.Tensor.backward
+    if late:
+        apply_fused_ce(model, backend="torch")
     head_unit = head_kind(model)
     ids, labels = batch()
     half = BATCH // world
     rows = slice(rank * half, (rank + 1) * half)
     # torch-native wrappers run the step twice (gradients cleared in between): the second
     # step shows the head's wrapper state survived the first (resharded, hooks re-armed).
-    steps = 2 if mode in MODES else 1
+    steps = 2 if name in MODES else 1
     spy = BackendSpy()
     try:
         for step in range(steps):
@@ -283,7 +289,7 @@ def run_mode(rank, world, mode, out_dir):
     grads = full_grads(model, mode)
     if rank == 0:
         torch.save({"loss": loss, "grads": grads, "spy": spy.shapes, "head_unit": head_unit,
-                    "steps": steps}, os.path.join(out_dir, f"{mode}.pt"))
+                    "steps": steps}, os.path.join(out_dir, f"{name}.pt"))
     dist.barrier()
 
 

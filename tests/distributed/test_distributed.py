@@ -4,7 +4,8 @@ batch, a spy shows the fused kernel ran once on the full ``[V, H]`` weight, and 
 be their own shard unit really were.
 
 Modes (dist_workers.py): DDP; FSDP2 with the head in the root unit, as its own unit, and tied
-to the embedding; FSDP1 with the head as its own unit; FSDP2 with a PEFT LoRA head as its own unit; the same through accelerate's
+to the embedding; FSDP1 with the head as its own unit; FSDP2 with a PEFT LoRA head as its own unit; FSDP1/FSDP2 head units patched after wrapping
+(``*_late``); the same through accelerate's
 Accelerator (DDP) and transformers' Trainer with the flag (DDP). All run in one spawn (imports dominate the cost); each mode is then
 one test. DeepSpeed modes are in test_deepspeed.py.
 """
@@ -76,7 +77,7 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", (*w.MODES, *w.ACCELERATE_MODES, *w.TRAINER_MODES))
 def test_mode_matches_single_process_stock(results, mode):
-    unit = mode.split("_")[0] if mode.endswith("_head") else "plain"
+    unit = mode.split("_")[0] if "_head" in mode else "plain"
     check_mode(results, mode, unit)
 
 
