@@ -1,13 +1,13 @@
 """Distributed modes on CPU with 2 processes and gloo: the patched model's loss and gathered
-gradients after one step equal one process running the stock (unpatched) model on the whole
-batch, a spy shows the fused kernel ran once on the full ``[V, H]`` weight, and heads meant to
-be their own shard unit really were.
+gradients after one step (the last of two for torch-native wrappers) equal one process running
+the stock (unpatched) model on the whole batch, a spy shows the fused kernel ran once per step
+on the full weight, and heads meant to be their own shard unit really were.
 
-Modes (dist_workers.py): DDP; FSDP2 with the head in the root unit, as its own unit, and tied
-to the embedding; FSDP1 with the head as its own unit; FSDP2 with a PEFT LoRA head as its own unit; FSDP1/FSDP2 head units patched after wrapping
-(``*_late``); the same through accelerate's
-Accelerator (DDP) and transformers' Trainer with the flag (DDP). All run in one spawn (imports dominate the cost); each mode is then
-one test. DeepSpeed modes are in test_deepspeed.py.
+Modes (dist_workers.py): DDP; FSDP2 with the head in the root unit, as its own unit, tied to
+the embedding, and a PEFT LoRA head as its own unit; FSDP1 with the head as its own unit;
+FSDP1/FSDP2 head units patched after wrapping (``*_late``); accelerate's Accelerator (DDP) and
+transformers' Trainer with the flag (DDP). All run in one spawn (imports dominate the cost);
+each mode is then one test. DeepSpeed modes are in test_deepspeed.py.
 """
 
 from __future__ import annotations
