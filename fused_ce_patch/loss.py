@@ -108,6 +108,15 @@ def fused_linear_cross_entropy(
     ignore_index = _check_ignore_index(ignore_index)
     _check_real_tensors(hidden, weight, labels, bias)  # before autocast, which rejects meta
     hidden, weight, bias = _autocast(hidden, weight, bias)
+    if torch.compiler.is_compiling():  # Dynamo: one opaque custom op, no graph break (ops.py)
+        from .ops import traced_call
+
+        return traced_call(
+            hidden, weight, labels, bias=bias, ignore_index=ignore_index, reduction=reduction,
+            num_items_in_batch=num_items_in_batch, shift=shift, softcap=softcap,
+            label_smoothing=label_smoothing, z_loss=z_loss, logits_budget=logits_budget,
+            backend=backend,
+        )
     _check_tensors(hidden, weight, labels, bias)
     if labels.dtype != torch.int64:
         labels = labels.long()

@@ -31,9 +31,8 @@ import os
 
 import torch
 
-from ..loss import fused_linear_cross_entropy
 from .architectures import ArchSpec
-from .head import head_operands
+from .head import fused_head_loss
 from .loss_mapping import is_causal_lm_loss
 from .sentinel import RETURN_LOGITS_ENV, NotMaterializedLogits
 
@@ -175,21 +174,13 @@ def _fused_forward(model, spec: ArchSpec, options: FusedCEOptions, arguments: di
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     hidden = _slice_hidden(hidden, logits_to_keep)
 
-    h, weight, bias = head_operands(model.get_output_embeddings(), hidden)
-    if h.device != weight.device:  # model split over devices: do what lm_head's hook would
-        h = h.to(weight.device)
-    scale = spec.logit_scale(model.config)
-    if scale is not None:  # (s h) W^T + s b = s (h W^T + b)
-        h = h * scale
-        bias = None if bias is None else bias * scale
-
     ignore_index = extra.get("ignore_index", -100)
     shift_labels = extra.get("shift_labels")
     if shift_labels is not None:  # already shifted by the caller: never shift again
         target, shift = shift_labels, False
     else:
         target, shift = labels, True
-    target = target.to(h.device)
+    h = hidden
     if target.shape != h.shape[:-1]:
         # ForCausalLMLoss only needs equal element counts (it flattens both), e.g. a boolean
         # logits_to_keep mask with flat labels: shift first, then match the hidden layout.
@@ -202,11 +193,11 @@ def _fused_forward(model, spec: ArchSpec, options: FusedCEOptions, arguments: di
             target, shift = _shift_left(target, ignore_index), False
         target = target.reshape(h.shape[:-1])
 
-    loss = fused_linear_cross_entropy(
+    loss, vocab = fused_head_loss(
+        model.get_output_embeddings(),
         h,
-        weight,
         target,
-        bias=bias,
+        logit_scale=spec.logit_scale(model.config),
         ignore_index=ignore_index,
         num_items_in_batch=extra.get("num_items_in_batch"),
         shift=shift,
@@ -219,6 +210,6 @@ def _fused_forward(model, spec: ArchSpec, options: FusedCEOptions, arguments: di
         for f in dataclasses.fields(CausalLMOutputWithPast)
         if f.name not in ("loss", "logits")
     }
-    logits = NotMaterializedLogits((*hidden.shape[:-1], weight.shape[0]))
+    logits = NotMaterializedLogits((*hidden.shape[:-1], vocab))
     output = CausalLMOutputWithPast(loss=loss, logits=logits, **fields)
     return output if return_dict else output.to_tuple()

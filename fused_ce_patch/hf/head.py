@@ -13,11 +13,26 @@ patching) into operands of one linear map:
   linear map by concatenation, ``[h | s·drop(h)·Aᵀ] · [W | B]ᵀ``, so the adapter receives its
   gradient through the fused kernel (one extra ``[V, H + r]`` weight copy per step, no logits);
 - anything else (DoRA or other LoRA variants, other PEFT tuners, quantised or custom heads,
-  heads with forward hooks) raises :class:`~fused_ce_patch.errors.UnsupportedModelError`
-  instead of silently training without the adapter.
+  heads with forward hooks of unknown purpose) raises
+  :class:`~fused_ce_patch.errors.UnsupportedModelError` instead of silently training without
+  the adapter.
+
+Sharded heads (:func:`fused_head_loss`). Wrappers that shard parameters gather them in the
+owning module's call and re-gather / reduce-scatter in backward hooks they attach to that
+call's inputs and outputs: FSDP1 (``FullyShardedDataParallel`` around the head), FSDP2
+(``fully_shard(lm_head)``, forward hooks of ``FSDPState``) and DeepSpeed ZeRO-3 (forward hooks
+of ``DeepSpeedZeRoOffload``). For every such owner the fused loss runs *inside* the owner's own
+``__call__``: its ``forward`` is bound, for that one call, to a function that computes the loss
+from the now-gathered parameters and returns it, so the owner's hooks treat the scalar loss as
+the module output (backward re-gathers, then reduce-scatters the gradient exactly as after
+``lm_head(hidden)``). No copy of the full weight outlives the call. A weight that is still a
+shard at loss time (DTensor, empty ZeRO-3 placeholder, FSDP1 flat shard) raises naming the mode.
 
 Source: PEFT 0.21 ``tuners/lora/layer.py`` (``Linear.forward``) and ``utils/other.py``
 (``ModulesToSaveWrapper``) for what each wrapper computes; the concatenation is this project's.
+torch 2.13 ``distributed/fsdp/_fully_shard/_fsdp_state.py`` and
+``fully_sharded_data_parallel.py``, DeepSpeed 0.19 ``runtime/zero/parameter_offload.py`` for
+where each wrapper gathers.
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from ..loss import fused_linear_cross_entropy
 
 _ESCAPE = (
     "Train this model without the fused loss (apply_fused_ce(model, return_logits=True)), or "
@@ -51,14 +67,45 @@ def _peft_classes():
     return BaseTunerLayer, AuxiliaryTrainingWrapper, ModulesToSaveWrapper, LoraLinear
 
 
-def _check_no_hooks(module: nn.Module, name: str):
-    # Hooks (PEFT's mixed-batch adapter_names, ZeRO-3 gathering, user hooks) run only when the
-    # module is called; reading its weight would silently skip them.
-    if module._forward_pre_hooks or module._forward_hooks:
-        raise UnsupportedModelError(
-            f"{name} ({type(module).__name__}) has forward hooks, which the fused loss would "
-            f"bypass because it reads the weight instead of calling the module. {_ESCAPE}"
-        )
+def _gatherer(hook) -> str | None:
+    """Which parameter-sharding wrapper registered ``hook`` (None: unknown purpose)."""
+    while True:  # look through functools.wraps / torch.compiler.disable / partial layers
+        inner = getattr(hook, "__wrapped__", None) or getattr(hook, "func", None)
+        if inner is None and getattr(hook, "__module__", "") == "deepspeed.utils.nvtx":
+            # DeepSpeed's instrument_w_nvtx wraps without functools.wraps: the hook is the
+            # function in the wrapper's closure.
+            cells = [c.cell_contents for c in hook.__closure__ or ()]
+            inner = next((c for c in cells if callable(c)), None)
+        if inner is None or inner is hook:
+            break
+        hook = inner
+    module = getattr(hook, "__module__", None) or ""  # a bound method reports its function's
+    if module.startswith("torch.distributed.fsdp._fully_shard"):
+        return "FSDP2 (fully_shard)"
+    if module.startswith("deepspeed.runtime.zero"):
+        return "DeepSpeed ZeRO-3"
+    return None
+
+
+def _check_no_hooks(module: nn.Module, name: str, owners: list | None = None):
+    # Hooks (PEFT's mixed-batch adapter_names, user hooks) run only when the module is called;
+    # reading its weight would silently skip them. Hooks of a wrapper that gathers the module's
+    # parameters are honoured instead: with ``owners`` given, the module joins the list of
+    # modules inside whose call the loss runs (see fused_head_loss).
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    if hooks:
+        kinds = {_gatherer(h) for h in hooks}
+        if owners is None or None in kinds:
+            known = "" if owners is None or kinds == {None} else (
+                f" besides those of {', '.join(sorted(k for k in kinds if k))}"
+            )
+            raise UnsupportedModelError(
+                f"{name} ({type(module).__name__}) has forward hooks{known}, which the fused loss "
+                f"would bypass because it reads the weight instead of calling the module. "
+                f"{_ESCAPE}"
+            )
+        if not owners or owners[-1][1] is not module:
+            owners.append((module, module))
     if "forward" in module.__dict__ and not hasattr(module, "_hf_hook"):
         raise UnsupportedModelError(
             f"{name} ({type(module).__name__}) has a replaced forward on the instance, which the "
@@ -66,14 +113,22 @@ def _check_no_hooks(module: nn.Module, name: str):
         )
 
 
-def _plain_linear(module: nn.Module, name: str):
+def _fsdp1_class():
+    if "torch.distributed.fsdp" not in sys.modules:
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
+
+
+def _plain_linear(module: nn.Module, name: str, owners=None):
     if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
         raise UnsupportedModelError(
             f"{name} is a {type(module).__module__}.{type(module).__qualname__}; the fused loss "
             f"supports a plain torch.nn.Linear head (also inside PEFT modules_to_save or LoRA), "
             f"because it reads the weight instead of calling the module. {_ESCAPE}"
         )
-    _check_no_hooks(module, name)
+    _check_no_hooks(module, name, owners)
     weight = module.weight
     if weight.device.type == "meta":
         raise UnsupportedModelError(
@@ -93,12 +148,12 @@ def _active_module_to_save(wrapper):
 
 
 def check_head(head: nn.Module, name: str = "lm_head") -> None:
-    """Raise now if :func:`head_operands` would refuse ``head`` (used at apply time).
+    """Raise now if :func:`fused_head_loss` would refuse ``head`` (used at apply time).
 
     Raises:
         UnsupportedModelError: the head cannot be expressed as one linear map here.
     """
-    _resolve(head, name, check_only=True)
+    _resolve(head, name, check_only=True, owners=[])
 
 
 def head_operands(head: nn.Module, hidden: torch.Tensor, name: str = "lm_head"):
@@ -121,39 +176,166 @@ def head_operands(head: nn.Module, hidden: torch.Tensor, name: str = "lm_head"):
     return _resolve(head, name, hidden=hidden)
 
 
-def _resolve(head, name, hidden=None, check_only=False):
+def fused_head_loss(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    logit_scale: float | None = None,
+    name: str = "lm_head",
+    **loss_kwargs,
+) -> tuple[torch.Tensor, int]:
+    """The fused cross-entropy of ``head(hidden)`` against ``labels``, reading the head's
+    parameters the way the module that owns them intends.
+
+    The operands come from :func:`head_operands` (PEFT LoRA / modules_to_save included). When a
+    module on the way to the weight is owned by a wrapper that gathers parameters in its call
+    (FSDP1, FSDP2 ``fully_shard``, DeepSpeed ZeRO-3), the loss is computed inside that module's
+    own ``__call__`` (its ``forward`` bound to the loss for this one call), so the wrapper
+    gathers before, frees after, and in backward re-gathers and reduce-scatters the gradient
+    exactly as it does after ``lm_head(hidden)``. A plain head is read directly (no call).
+
+    Args:
+        head: the module returned by ``model.get_output_embeddings()``.
+        hidden: ``[..., H]`` last hidden states already sliced by ``logits_to_keep``; moved to
+            the weight's device when a device map put them elsewhere.
+        labels: ``hidden.shape[:-1]`` integer targets (moved to the weight's device).
+        logit_scale: multiply the logits by this (``(s h) Wᵀ + s b``), or None.
+        name: how error messages name the head.
+        **loss_kwargs: keyword options of :func:`~fused_ce_patch.fused_linear_cross_entropy`
+            (``ignore_index``, ``num_items_in_batch``, ``shift``, ``softcap``, ``backend``, ...).
+
+    Returns:
+        ``(loss, vocab_size)``: the loss as :func:`~fused_ce_patch.fused_linear_cross_entropy`
+        returns it, and ``V`` of the (gathered) weight.
+
+    Raises:
+        UnsupportedModelError: as :func:`head_operands`, hooks of unknown purpose, or a weight
+            that is still a shard when read (names FSDP2/DTensor, ZeRO-3 or FSDP1).
+    """
+    owners: list = []
+    _resolve(head, name, check_only=True, owners=owners)
+    vocab = []
+
+    def loss_of(h):
+        h, weight, bias = _resolve(head, name, hidden=h, owners=[])
+        _check_gathered(weight, h, name, owners)
+        if h.device != weight.device:  # model split over devices: do what lm_head's hook would
+            h = h.to(weight.device)
+        if logit_scale is not None:  # (s h) W^T + s b = s (h W^T + b)
+            h = h * logit_scale
+            bias = None if bias is None else bias * logit_scale
+        vocab.append(weight.shape[0])
+        return fused_linear_cross_entropy(
+            h, weight, labels.to(h.device), bias=bias, **loss_kwargs
+        )
+
+    loss = _within(owners, hidden, loss_of)
+    return loss, vocab[-1]
+
+
+def _within(owners, hidden, fn):
+    """``fn(hidden)`` run inside the call of every ``(called, bound)`` owner, outermost first."""
+    if not owners:
+        return fn(hidden)
+    (called, bound), rest = owners[0], owners[1:]
+    previous = bound.__dict__.get("forward")
+
+    def forward(h, *args, **kwargs):
+        _restore(bound, previous)  # anything the loss calls sees the module's own forward
+        return _within(rest, h, fn)  # ``h`` as the owner's hooks passed it (cast, hooked)
+
+    bound.forward = forward
+    try:
+        return called(hidden)
+    finally:
+        _restore(bound, previous)
+
+
+def _restore(module, previous):
+    if previous is not None:
+        module.__dict__["forward"] = previous
+    else:
+        module.__dict__.pop("forward", None)
+
+
+def _check_gathered(weight, hidden, name, owners):
+    # Never train on a shard: each wrapper's placeholder looks different.
+    mode = ", ".join(sorted({_mode(o) for o in owners})) or "no gathering wrapper found"
+    if type(weight).__name__ == "DTensor":
+        raise UnsupportedModelError(
+            f"{name}.weight is a DTensor (sharded by FSDP2 fully_shard or tensor parallelism) "
+            f"when the fused loss reads it ({mode}); the fused loss needs the gathered weight. "
+            f"fully_shard the head's parent (or lm_head itself) so its call gathers it. {_ESCAPE}"
+        )
+    status = getattr(weight, "ds_status", None)
+    if status is not None and getattr(status, "name", "") != "AVAILABLE":
+        raise UnsupportedModelError(
+            f"{name}.weight is a DeepSpeed ZeRO-3 partition ({status.name}) when the fused loss "
+            f"reads it ({mode}). {_ESCAPE}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.numel() == 0:
+        raise UnsupportedModelError(
+            f"{name}.weight has shape {tuple(weight.shape)} for hidden states "
+            f"{tuple(hidden.shape)}: a shard or flat placeholder (FSDP1 flat parameter, ZeRO-3 "
+            f"partition?) rather than the gathered [V, H] weight ({mode}). {_ESCAPE}"
+        )
+
+
+def _mode(owner) -> str:
+    called = owner[0]
+    fsdp1 = _fsdp1_class()
+    if fsdp1 is not None and isinstance(called, fsdp1):
+        return "FSDP1"
+    kinds = {_gatherer(h) for h in (*called._forward_pre_hooks.values(),
+                                     *called._forward_hooks.values())}
+    return ", ".join(sorted(k for k in kinds if k)) or type(called).__name__
+
+
+def _resolve(head, name, hidden=None, check_only=False, owners=None):
+    fsdp1 = _fsdp1_class()
+    if fsdp1 is not None and isinstance(head, fsdp1):
+        if owners is None:
+            raise UnsupportedModelError(
+                f"{name} is wrapped in FSDP1 (FullyShardedDataParallel), whose parameters are "
+                f"gathered only inside its call; use fused_head_loss. {_ESCAPE}"
+            )
+        _check_no_hooks(head, name, owners)
+        inner = head._fsdp_wrapped_module
+        owners.append((head, inner))  # FSDP1 gathers in its forward, which calls ``inner``
+        return _resolve(inner, f"{name}._fsdp_wrapped_module", hidden, check_only, owners)
     peft = _peft_classes()
     if peft is not None:
         base_tuner, aux_wrapper, modules_to_save_cls, lora_linear = peft
         if isinstance(head, modules_to_save_cls):
-            _check_no_hooks(head, name)
+            _check_no_hooks(head, name, owners)
             inner, which = _active_module_to_save(head)
-            return _resolve(inner, f"{name}.{which}", hidden, check_only)
+            return _resolve(inner, f"{name}.{which}", hidden, check_only, owners)
         if isinstance(head, aux_wrapper):
             raise UnsupportedModelError(
                 f"{name} is wrapped by PEFT's {type(head).__name__} (e.g. trainable_token_indices "
                 f"on a tied head), whose weight is not a plain parameter. {_ESCAPE}"
             )
         if isinstance(head, lora_linear):
-            return _lora(head, name, hidden, check_only)
+            return _lora(head, name, hidden, check_only, owners)
         if isinstance(head, base_tuner):
             raise UnsupportedModelError(
                 f"{name} is a PEFT {type(head).__module__}.{type(head).__name__} layer; only "
                 f"plain LoRA (lora.Linear) on the head is folded into the fused loss. {_ESCAPE}"
             )
-    weight, bias = _plain_linear(head, name)
+    weight, bias = _plain_linear(head, name, owners)
     if check_only:
         return None
     return hidden, weight, bias
 
 
-def _lora(head, name, hidden, check_only):
-    _check_no_hooks(head, name)
+def _lora(head, name, hidden, check_only, owners):
+    _check_no_hooks(head, name, owners)
     base = head.get_base_layer()
     if head.disable_adapters or head.merged:
         if head.disable_adapters and head.merged and not check_only:
             head.unmerge()  # what lora.Linear.forward itself does before using the base layer
-        return _resolve(base, f"{name}.base_layer", hidden, check_only)
+        return _resolve(base, f"{name}.base_layer", hidden, check_only, owners)
     active = [a for a in head.active_adapters if a in head.lora_A]
     variants = getattr(head, "lora_variant", {})
     dora = getattr(head, "use_dora", {})
@@ -164,7 +346,9 @@ def _lora(head, name, hidden, check_only):
                 f"{name} carries the LoRA variant {kind} for adapter {adapter!r}; only vanilla "
                 f"LoRA on the head is folded into the fused loss. {_ESCAPE}"
             )
-    out = _resolve(base, f"{name}.base_layer", hidden, check_only)
+    out = _resolve(base, f"{name}.base_layer", hidden, check_only, owners)
+    for adapter in active:  # lora_A is called below (its own hooks run); lora_B is read
+        _check_no_hooks(head.lora_B[adapter], f"{name}.lora_B[{adapter!r}]", owners)
     if check_only or not active:
         return out
     hidden, weight, bias = out

