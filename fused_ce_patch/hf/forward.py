@@ -24,6 +24,7 @@ Kernel ``lce_forward`` for the ``skip_logits`` convention.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -116,8 +117,9 @@ def patched_forward(stock, spec: ArchSpec):
             return stock(self, *args, **kwargs)
         if skip_logits is None and not (self.training and torch.is_grad_enabled()):
             return stock(self, *args, **kwargs)
-        arguments = signature.bind(self, *args, **kwargs).arguments
-        extra = dict(arguments.pop(var_kw, None) or {}) if var_kw else {}
+        bound = signature.bind(self, *args, **kwargs)
+        arguments = bound.arguments
+        extra = arguments.get(var_kw) or {} if var_kw else {}
         has_labels = arguments.get("labels") is not None or extra.get("shift_labels") is not None
         if not has_labels:
             if skip_logits:
@@ -125,70 +127,117 @@ def patched_forward(stock, spec: ArchSpec):
             return stock(self, *args, **kwargs)
         if not is_causal_lm_loss(self.loss_function):  # a custom loss needs real logits
             return stock(self, *args, **kwargs)
-        arguments.pop(next(iter(signature.parameters)))  # self
-        return _fused_forward(self, spec, options, arguments, extra)
+        if arguments.get("labels") is None:
+            # shift_labels alone: ForCausalLMLoss ignores labels when shift_labels is given,
+            # but the stock forward only calls the loss when labels is not None.
+            arguments["labels"] = extra["shift_labels"]
+        token = _OPTIONS.set(options)
+        try:
+            return spec.rewritten(*bound.args, **bound.kwargs)
+        finally:
+            _OPTIONS.reset(token)
 
     _PATCHED[stock] = (forward, slot)
     _STOCK[forward] = stock
     return forward
 
 
-def _inline_slice(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
-    # transformers 5.17-5.20 inline this in every forward (int or index tensor).
-    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    return hidden[:, keep, :]
+# -- what the rewritten forward calls in place of head, transform and loss -------------------
+
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("fused_ce_options", default=None)
 
 
-@functools.lru_cache(maxsize=None)
-def _slicer():
-    try:  # transformers >= 5.21 (adds 2-D index and boolean-mask forms)
-        from transformers.modeling_utils import slice_logits_to_keep
-    except ImportError:
-        return _inline_slice
-    return slice_logits_to_keep
+class DeferredLogits:
+    """What ``logits = self.lm_head(hidden)`` yields in a rewritten forward: the operands only.
+
+    Attributes:
+        hidden: the (already ``logits_to_keep``-sliced) hidden states ``[..., H]``.
+        head: the head module (checked to be ``get_output_embeddings()``).
+        scale: product of the multipliers / reciprocal divisors seen so far (None: 1).
+        softcap: final-logit softcap ``c`` (None: off).
+    """
+
+    __slots__ = ("hidden", "head", "scale", "softcap", "options")
+
+    def __init__(self, hidden, head, options):
+        self.hidden, self.head, self.options = hidden, head, options
+        self.scale, self.softcap = None, None
+
+    def __repr__(self):
+        return f"DeferredLogits(hidden={tuple(self.hidden.shape)}, scale={self.scale}, " \
+               f"softcap={self.softcap})"
 
 
-def _slice_hidden(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
-    """What the stock forward does to the hidden states before ``lm_head``."""
-    return _slicer()(hidden, logits_to_keep)
+def _defer(model, head, hidden):
+    options = _OPTIONS.get()
+    if options is None:  # only the patched forward calls the rewritten one
+        raise RuntimeError("fused_ce_patch: rewritten forward called outside the patch")
+    if head is not model.get_output_embeddings():
+        raise RuntimeError(
+            f"fused_ce_patch: {type(model).__name__} calls a head that is not "
+            f"get_output_embeddings(); cannot take the fused path"
+        )
+    return DeferredLogits(hidden, head, options)
 
 
-def _shift_left(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    pad = labels.new_full((*labels.shape[:-1], 1), ignore_index)
-    return torch.cat([labels[..., 1:], pad], dim=-1)
+def _transform(logits: DeferredLogits, kind: str, value, optional: bool):
+    if optional and not value:  # `if config.final_logit_softcapping is not None:` was false
+        return logits
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"fused_ce_patch: logit {kind} must be a scalar, got {value.shape}")
+        value = value.item()
+    value = float(value)
+    if kind == "softcap":
+        logits.softcap = value
+        return logits
+    if logits.softcap is not None:
+        raise ValueError("fused_ce_patch: a logit scale after the softcap is not supported")
+    factor = value if kind == "mul" else 1.0 / value
+    logits.scale = factor if logits.scale is None else logits.scale * factor
+    return logits
 
 
-def _fused_forward(model, spec: ArchSpec, options: FusedCEOptions, arguments: dict, extra: dict):
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+def _done(logits):
+    if isinstance(logits, DeferredLogits):
+        return NotMaterializedLogits((*logits.hidden.shape[:-1], logits.head.out_features
+                                      if hasattr(logits.head, "out_features")
+                                      else head_operands(logits.head, logits.hidden)[1].shape[0]))
+    return logits
 
-    # What transformers' can_return_tuple does around every stock forward.
-    return_dict = extra.pop("return_dict", None)
-    if return_dict is None:
-        return_dict = getattr(model.config, "return_dict", True)
 
-    labels = arguments.pop("labels", None)
-    logits_to_keep = arguments.pop("logits_to_keep", 0)
-    for name in spec.head_params:
-        arguments.pop(name, None)
-    decoder = getattr(model, spec.decoder_attr)
-    outputs = decoder(**arguments, **extra)
-    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
-    hidden = _slice_hidden(hidden, logits_to_keep)
+def fused_head_loss(
+    logits: DeferredLogits,
+    labels,
+    vocab_size=None,
+    num_items_in_batch=None,
+    ignore_index: int = -100,
+    shift_labels=None,
+    **kwargs,
+):
+    """Stands in for ``self.loss_function(logits, labels, vocab_size, **kwargs)``.
 
-    h, weight, bias = head_operands(model.get_output_embeddings(), hidden)
-    if h.device != weight.device:  # model split over devices: do what lm_head's hook would
-        h = h.to(weight.device)
-    scale = spec.logit_scale(model.config)
-    if scale is not None:  # (s h) W^T + s b = s (h W^T + b)
-        h = h * scale
-        bias = None if bias is None else bias * scale
-
-    ignore_index = extra.get("ignore_index", -100)
-    shift_labels = extra.get("shift_labels")
+    Same arguments as transformers' ``ForCausalLMLoss``; computes the same loss with
+    :func:`~fused_ce_patch.fused_linear_cross_entropy` from the deferred head operands.
+    """
+    hidden = logits.hidden
+    if labels is None and shift_labels is None:
+        raise ValueError("fused_ce_patch: the loss needs labels or shift_labels")
     if shift_labels is not None:  # already shifted by the caller: never shift again
         target, shift = shift_labels, False
     else:
         target, shift = labels, True
+    # The pair below (operands, then the fused loss) is the one place the head is computed.
+    h, weight, bias = head_operands(logits.head, hidden)
+    if h.device != weight.device:  # model split over devices: do what lm_head's hook would
+        h = h.to(weight.device)
+    if vocab_size is not None and int(vocab_size) != weight.shape[0]:
+        raise ValueError(
+            f"fused_ce_patch: vocab_size {vocab_size} != lm_head rows {weight.shape[0]}"
+        )
+    if logits.scale is not None and logits.scale != 1.0:  # (s h) W^T + s b = s (h W^T + b)
+        h = h * logits.scale
+        bias = None if bias is None else bias * logits.scale
     target = target.to(h.device)
     if target.shape != h.shape[:-1]:
         # ForCausalLMLoss only needs equal element counts (it flattens both), e.g. a boolean
@@ -196,29 +245,38 @@ def _fused_forward(model, spec: ArchSpec, options: FusedCEOptions, arguments: di
         if target.numel() != h.shape[:-1].numel():
             raise ValueError(
                 f"labels {tuple(target.shape)} do not match the kept hidden states "
-                f"{tuple(h.shape)} (logits_to_keep={logits_to_keep!r})"
+                f"{tuple(h.shape)}"
             )
         if shift:
             target, shift = _shift_left(target, ignore_index), False
         target = target.reshape(h.shape[:-1])
-
-    loss = fused_linear_cross_entropy(
+    options = logits.options
+    return fused_linear_cross_entropy(
         h,
         weight,
         target,
         bias=bias,
         ignore_index=ignore_index,
-        num_items_in_batch=extra.get("num_items_in_batch"),
+        num_items_in_batch=num_items_in_batch,
         shift=shift,
-        softcap=spec.softcap(model.config),
+        softcap=logits.softcap,
         logits_budget=options.logits_budget,
         backend=options.backend,
     )
-    fields = {
-        f.name: getattr(outputs, f.name, None)
-        for f in dataclasses.fields(CausalLMOutputWithPast)
-        if f.name not in ("loss", "logits")
-    }
-    logits = NotMaterializedLogits((*hidden.shape[:-1], weight.shape[0]))
-    output = CausalLMOutputWithPast(loss=loss, logits=logits, **fields)
-    return output if return_dict else output.to_tuple()
+
+
+def _loss(*args, **kwargs):
+    # Looked up at call time so tests can spy on fused_linear_cross_entropy in this module.
+    return fused_head_loss(*args, **kwargs)
+
+
+def rewrite_helpers() -> dict:
+    """The names :mod:`.architectures` injects into a rewritten forward's globals."""
+    from . import architectures as a
+
+    return {a.DEFER: _defer, a.TRANSFORM: _transform, a.LOSS: _loss, a.DONE: _done}
+
+
+def _shift_left(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    pad = labels.new_full((*labels.shape[:-1], 1), ignore_index)
+    return torch.cat([labels[..., 1:], pad], dim=-1)
