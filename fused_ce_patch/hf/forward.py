@@ -1,25 +1,26 @@
 """The one causal-LM forward shared by every supported architecture.
 
 :func:`patched_forward` wraps an architecture's own ``forward`` (the "stock" forward). On each
-call it either hands the call to the stock forward unchanged, or runs the fused path:
+call it either hands the call to the stock forward unchanged, or runs the fused path: the
+class's stock forward as rewritten by :mod:`.architectures` — the stock code statement for
+statement (decoder call with every argument passed through, ``logits_to_keep`` slicing, MoE
+router aux loss, output class and fields), except that
 
-1. bind the call to the stock signature and pass every decoder argument through unchanged
-   (``cache`` on transformers >= 5.2x, ``past_key_values`` before, and ``**kwargs``) to the
-   decoder;
-2. slice the last hidden states by ``logits_to_keep`` exactly as the stock forward does;
-3. compute the loss with :func:`~fused_ce_patch.fused_linear_cross_entropy` from the hidden
-   states and the head operands (:mod:`.head`), with the architecture's softcap / logit scale
-   (:mod:`.architectures`) and ``num_items_in_batch`` / ``ignore_index`` / ``shift_labels`` from
-   the loss kwargs;
-4. return the stock output class built from the decoder's own output fields, with a
-   :class:`~fused_ce_patch.hf.sentinel.NotMaterializedLogits` in ``logits``.
+1. ``logits = self.lm_head(hidden)`` keeps the operands (:class:`DeferredLogits`) instead of
+   computing logits;
+2. each logit-transform statement (multiplier, divisor, final-logit softcap) is recorded on it;
+3. ``self.loss_function(logits, labels, vocab_size, **kwargs)`` becomes
+   :func:`fused_head_loss`: :func:`~fused_ce_patch.fused_linear_cross_entropy` from the hidden
+   states and the head operands (:mod:`.head`), honouring ``num_items_in_batch`` /
+   ``ignore_index`` / ``shift_labels`` exactly as ``ForCausalLMLoss`` does;
+4. ``logits`` is then a :class:`~fused_ce_patch.hf.sentinel.NotMaterializedLogits`.
 
 The fused path runs when labels (or ``shift_labels``) are given, the model is training, autograd
 is on, the model's loss is transformers' causal-LM loss, and neither ``return_logits=True`` nor
 ``$FUSED_CE_RETURN_LOGITS`` asks for logits. ``skip_logits`` (the Trainer/TRL/Liger convention)
 overrides the mode test: ``True`` takes the fused path whenever labels are given, ``False``
-never. Source: transformers ``LlamaForCausalLM.forward`` (5.17, 5.24) for the stock head; Liger
-Kernel ``lce_forward`` for the ``skip_logits`` convention.
+never. Source: transformers ``ForCausalLMLoss`` (``loss/loss_utils.py``, 5.17, 5.24) for the
+loss semantics; Liger Kernel ``lce_forward`` for the ``skip_logits`` convention.
 """
 
 from __future__ import annotations

@@ -174,6 +174,15 @@ def spec_for_class(cls: type, model_type: str | None = None, *, check_verified: 
     ):
         raise UnsupportedModelError(f"fused_ce_patch cannot patch {what}: not a transformers "
                                     f"model; supported model types: {_supported_list()}")
+    owner = next((k for k in cls.__mro__ if "forward" in k.__dict__), cls)
+    if not owner.__module__.startswith("transformers."):
+        stock_owner = next((k for k in owner.__mro__[1:] if "forward" in k.__dict__), None)
+        raise UnsupportedModelError(
+            f"fused_ce_patch cannot patch {what}: {owner.__qualname__} overrides "
+            f"{getattr(stock_owner, '__name__', '?')}.forward; only the stock transformers "
+            f"forwards verified by the parity sweep are patched; supported model types: "
+            f"{_supported_list()}"
+        )
     try:
         spec = derive_spec(cls)
     except UnsupportedModelError as exc:
@@ -268,6 +277,7 @@ def apply_fused_ce(
     backend: str = "auto",
     logits_budget: int | None = None,
     return_logits: bool = False,
+    _verified: bool = False,
 ) -> nn.Module:
     """Route one model instance's training loss through the fused linear-cross-entropy.
 
@@ -301,9 +311,18 @@ def apply_fused_ce(
     """
     options = make_options(backend, logits_budget, return_logits)
     target = unwrap_causal_lm(model)
-    spec = _spec_for(target)
+    # _verified: only the parity sweep, which is what does the verifying, skips the proof.
+    spec = spec_for_class(type(target), getattr(target.config, "model_type", None),
+                          check_verified=not _verified)
     stock = _stock_forward(type(target), spec)
-    check_head(target.get_output_embeddings())
+    head = target.get_output_embeddings()
+    if getattr(target, spec.head_attr, None) is not head:
+        raise UnsupportedModelError(
+            f"fused_ce_patch cannot patch {type(target).__name__}: its forward calls "
+            f"self.{spec.head_attr}, which is not get_output_embeddings() (a head with more "
+            f"than the output projection)"
+        )
+    check_head(head)
 
     state = target.__dict__.get(STATE_ATTR)
     if state is not None:
