@@ -411,6 +411,7 @@ def _revert_instance(target):
 
 
 def _revert_class(cls):
+    cls = next((k for k in cls.__mro__ if k in _PATCHED_CLASSES), cls)  # the owner patched
     current = cls.__dict__.get("forward")
     if current is None or not is_patched_forward(current):
         return

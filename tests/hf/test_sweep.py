@@ -95,6 +95,10 @@ def test_verified_type_patched_and_class_patch(spy):
     assert owner is type(model)
     out = model(**b)
     assert spy.count == 1 and isinstance(out.logits, NotMaterializedLogits)
+    from fused_ce_patch import revert_fused_ce
+
+    revert_fused_ce(type(model))
+    assert isinstance(model(**b).logits, torch.Tensor) and spy.count == 1
 
 
 def test_readme_table_matches_verified_json():
