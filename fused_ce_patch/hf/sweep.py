@@ -58,8 +58,38 @@ SHRINK = {
     "use_cache": False,
 }
 
-#: Per-type config overrides (only where the shrunk defaults do not build or run).
-OVERRIDES: dict[str, dict] = {}
+#: Per-type config overrides (only where the shrunk defaults do not build or run), merged
+#: into the shrunk kwargs (nested dicts merged key by key).
+_MROPE = {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                              "mrope_section": [2, 3, 3]}}}
+OVERRIDES: dict[str, dict] = {"qwen2_vl": _MROPE, "qwen2_5_vl": _MROPE, "glm4v": _MROPE}
+
+
+def _merge(into: dict, extra: dict) -> dict:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+    return into
+
+
+#: Multimodal ``...ForConditionalGeneration`` types outside the causal-LM registry (from the
+#: image-text-to-text registry) whose text path ends in the same head; swept on text batches.
+MULTIMODAL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "mistral3",
+              "glm4v", "idefics3", "smolvlm", "internvl", "aya_vision", "lfm2_vl")
+
+
+def registry() -> dict[str, str]:
+    """``model_type -> class name``: the causal-LM registry plus :data:`MULTIMODAL`."""
+    from transformers.models.auto import modeling_auto as auto
+
+    out = dict(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    for model_type in MULTIMODAL:
+        name = auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type)
+        if name is not None and model_type not in out:
+            out[model_type] = name
+    return out
 
 
 def _rel_err(a, b) -> float:
@@ -85,7 +115,7 @@ def _has(obj, key) -> bool:
         return False
 
 
-def _shrink_kwargs(config_cls, model_type):
+def _shrink_kwargs(config_cls, model_type, depth=0):
     default = config_cls()
     kwargs = {k: v for k, v in SHRINK.items() if k in vars(default) or _has(default, k)}
     heads, kv = getattr(default, "num_attention_heads", None), vars(default).get(
@@ -94,6 +124,14 @@ def _shrink_kwargs(config_cls, model_type):
         kwargs["num_key_value_heads"] = SHRINK["num_attention_heads"]  # MHA / MLA stay MHA
     if "head_dim" in vars(default) and vars(default)["head_dim"] is None:
         kwargs["head_dim"] = SHRINK["hidden_size"] // SHRINK["num_attention_heads"]
+    rope = vars(default).get("rope_parameters")
+    if isinstance(rope, dict) and rope.get("mrope_section") and "head_dim" not in kwargs:
+        # multimodal RoPE sections must sum to head_dim / 2 of the shrunk model
+        half = SHRINK["hidden_size"] // SHRINK["num_attention_heads"] // 2
+        section = list(rope["mrope_section"])
+        scaled = [max(1, round(x * half / sum(section))) for x in section]
+        scaled[0] += half - sum(scaled)
+        kwargs["rope_parameters"] = {**rope, "mrope_section": scaled}
     if vars(default).get("rotary_dim"):
         kwargs["rotary_dim"] = 8
     if "n_shared_experts" in vars(default) and not vars(default)["n_shared_experts"]:
@@ -103,7 +141,7 @@ def _shrink_kwargs(config_cls, model_type):
             if isinstance(value, float):
                 kwargs[key] = 0.0
         elif hasattr(value, "to_dict") and hasattr(value, "__class__") and key.endswith("config"):
-            kwargs[key] = _shrink_kwargs(type(value), model_type)
+            kwargs[key] = _shrink_kwargs(type(value), model_type, depth + 1)
     for key in list(kwargs):
         if key.endswith("_token_id") and isinstance(getattr(default, key, None), int):
             pass
@@ -111,7 +149,8 @@ def _shrink_kwargs(config_cls, model_type):
     for key, value in vars(default).items():
         if key.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
             kwargs[key] = VOCAB - 1 - (hash(key) % 16)
-    kwargs.update(OVERRIDES.get(model_type, {}))
+    if depth == 0:
+        _merge(kwargs, copy.deepcopy(OVERRIDES.get(model_type, {})))
     return kwargs
 
 
@@ -182,9 +221,7 @@ def check_type(model_type: str) -> dict:
 
     torch.set_num_threads(1)
     logging.getLogger("fused_ce_patch.hf.patch").setLevel(logging.ERROR)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    class_name = registry()[model_type]
     row = {"type": model_type, "class": class_name}
     start = time.perf_counter()
     if hasattr(signal, "SIGALRM"):
@@ -308,10 +345,9 @@ def _check(model_type, class_name, torch):
 
 
 def run(types=None, jobs=2, progress=True) -> list[dict]:
-    """Check ``types`` (default: the whole registry) in ``jobs`` processes; rows sorted."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    types = sorted(types or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    """Check ``types`` (default: :func:`registry`) in ``jobs`` processes; rows sorted."""
+    names = registry()
+    types = sorted(types or names)
     rows = []
     if jobs <= 1:
         it = map(check_type, types)
@@ -345,7 +381,7 @@ def run(types=None, jobs=2, progress=True) -> list[dict]:
                 # One worker runs the tasks in order: the first unfinished one killed it.
                 culprit = min(crashed, key=todo.index)
                 crashed.remove(culprit)
-                row = {"type": culprit, "class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[culprit],
+                row = {"type": culprit, "class": names[culprit],
                        "status": "error", "reason": "the sweep worker process died"}
                 rows.append(row)
                 if progress:
