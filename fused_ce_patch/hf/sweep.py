@@ -432,10 +432,14 @@ def support_table(data: dict) -> str:
                       key=lambda v: tuple(int(x) for x in v.split(".")[:3] if x.isdigit()))
     passed = [t for t, rows in data["types"].items()
               if any(r.get("status") == "pass" for r in rows.values())]
+    counts = "; ".join(
+        f"{v}: {sum(r.get(v, {}).get('status') == 'pass' for r in data['types'].values())} of "
+        f"{sum(v in r for r in data['types'].values())}" for v in versions
+    )
     lines = [
-        f"Verified by the parity sweep: {len(passed)} of {len(data['types'])} causal-LM types "
-        f"(transformers {', '.join(versions)}). Types not passed on your installed version are "
-        "refused by `apply_fused_ce` (reason below).",
+        f"Verified by the parity sweep ({len(passed)} types in all) — transformers {counts}. "
+        "A model is patched when its class's installed `forward` source is one that passed "
+        "(any version column); anything else is refused by `apply_fused_ce` with its reason.",
         "",
         "| type | class | transform | MoE aux | " + " | ".join(versions) + " |",
         "|---|---|---|---|" + "---|" * len(versions),
