@@ -242,8 +242,10 @@ def _conditional_ops(stmt, name, where):
     if not isinstance(stmt, ast.If) or stmt.orelse:
         return None
     test = stmt.test
-    if (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.IsNot)
-            and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None):
+    if (isinstance(test, ast.Compare) and len(test.ops) == 1
+            and isinstance(test.ops[0], ast.IsNot)
+            and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value is None):
         guarded = test.left
     elif isinstance(test, (ast.Attribute, ast.Name, ast.NamedExpr)):
         guarded = test  # `if self.config.final_logit_softcapping:` (None or 0 both mean off)

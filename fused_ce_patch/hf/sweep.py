@@ -142,9 +142,6 @@ def _shrink_kwargs(config_cls, model_type, depth=0):
                 kwargs[key] = 0.0
         elif hasattr(value, "to_dict") and hasattr(value, "__class__") and key.endswith("config"):
             kwargs[key] = _shrink_kwargs(type(value), model_type, depth + 1)
-    for key in list(kwargs):
-        if key.endswith("_token_id") and isinstance(getattr(default, key, None), int):
-            pass
     # token ids beyond the shrunk vocab would index past the embedding
     for key, value in vars(default).items():
         if key.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
