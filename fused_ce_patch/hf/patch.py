@@ -27,7 +27,8 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from ..types import BackendName
 from . import loss_mapping
-from .architectures import ARCHITECTURES, ArchSpec, supported_model_types
+from . import verified
+from .architectures import ARCHITECTURES, ArchSpec, derive_spec, supported_model_types
 from .forward import (
     STATE_ATTR,
     FusedCEOptions,
@@ -46,6 +47,7 @@ __all__ = [
     "apply_fused_ce_to_gemma2",
     "apply_fused_ce_to_gemma3",
     "apply_fused_ce_to_mistral",
+    "apply_fused_ce_to_class",
     "is_fused_ce_applied",
     "FusedCEOptions",
 ]
@@ -163,28 +165,72 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     return model
 
 
+def _supported_list() -> str:
+    types = supported_model_types()
+    return ", ".join(repr(t) for t in types) if types else "(none verified on this version)"
+
+
 def _spec_for(model: nn.Module) -> ArchSpec:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    spec = ARCHITECTURES.get(model_type)
-    if spec is None or not isinstance(model, spec.model_class()):
-        what = f"model_type {model_type!r}" if model_type else "no config.model_type"
+    """The derived spec of ``model``'s class, refusing anything the sweep has not proven."""
+    return spec_for_class(type(model), getattr(getattr(model, "config", None), "model_type", None))
+
+
+def spec_for_class(cls: type, model_type: str | None = None, *, check_verified: bool = True):
+    """Derive ``cls``'s spec (:func:`~.architectures.derive_spec`) and check the sweep's proof.
+
+    Raises:
+        UnsupportedModelError: not a transformers causal LM, a forward of unknown shape, or a
+            class/forward source the parity sweep has not verified (reason and the supported
+            model types in the message).
+    """
+    what = f"{cls.__name__} (model_type {model_type!r})" if model_type else cls.__name__
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)) or not hasattr(
+        cls, "get_output_embeddings"
+    ):
+        raise UnsupportedModelError(f"fused_ce_patch cannot patch {what}: not a transformers "
+                                    f"model; supported model types: {_supported_list()}")
+    owner = next((k for k in cls.__mro__ if "forward" in k.__dict__), cls)
+    if not owner.__module__.startswith("transformers."):
+        stock_owner = next((k for k in owner.__mro__[1:] if "forward" in k.__dict__), None)
         raise UnsupportedModelError(
-            f"fused_ce_patch cannot patch {type(model).__name__} ({what}); supported: "
-            + ", ".join(
-                f"{s.class_name} (model_type {t!r})" for t, s in ARCHITECTURES.items()
-            )
+            f"fused_ce_patch cannot patch {what}: {owner.__qualname__} overrides "
+            f"{getattr(stock_owner, '__name__', '?')}.forward; only the stock transformers "
+            f"forwards verified by the parity sweep are patched; supported model types: "
+            f"{_supported_list()}"
         )
-    return spec
+    try:
+        spec = derive_spec(cls)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(
+            f"fused_ce_patch cannot patch {what}: {exc}; supported model types: "
+            f"{_supported_list()}"
+        ) from None
+    if not check_verified:
+        return spec
+    if verified.proofs_for(spec.class_name, spec.source_hash):
+        return spec
+    reason = verified.refusal_for(spec.class_name) or (
+        f"the parity sweep has not verified {spec.class_name}.forward as installed "
+        f"(source {spec.source_hash}); run `python -m fused_ce_patch.hf.sweep` or set "
+        f"{verified.ALLOW_ENV}=1"
+    )
+    if verified.allow_unverified():
+        logger.warning("fused_ce_patch: patching unverified %s (%s=1): %s", what,
+                       verified.ALLOW_ENV, reason)
+        return spec
+    raise UnsupportedModelError(
+        f"fused_ce_patch cannot patch {what}: {reason}; supported model types: "
+        f"{_supported_list()}"
+    )
 
 
 def _stock_forward(cls: type, spec: ArchSpec):
-    """The architecture's own forward, checking that ``cls`` does not override it."""
-    arch_cls = spec.model_class()
-    stock = stock_forward_of(arch_cls.__dict__["forward"])
-    if stock_forward_of(cls.forward) is not stock:
+    """The stock forward the spec was derived from (``cls`` inherits it or is its owner)."""
+    stock = stock_forward_of(cls.forward)
+    if stock is not spec.stock:
         raise UnsupportedModelError(
-            f"{cls.__qualname__} overrides {arch_cls.__name__}.forward; fused_ce_patch only "
-            f"patches the stock forward of: {', '.join(supported_model_types())}"
+            f"{cls.__qualname__}.forward is not the forward fused_ce_patch derived its patch "
+            f"from ({spec.class_name}.forward)"
         )
     return stock
 
@@ -246,6 +292,7 @@ def apply_fused_ce(
     backend: BackendName = "auto",
     logits_budget: int | None = None,
     return_logits: bool = False,
+    _verified: bool = False,
 ) -> nn.Module:
     """Route one model instance's training loss through the fused linear-cross-entropy.
 
@@ -281,9 +328,18 @@ def apply_fused_ce(
     """
     options = make_options(backend, logits_budget, return_logits)
     target = unwrap_causal_lm(model)
-    spec = _spec_for(target)
+    # _verified: only the parity sweep, which is what does the verifying, skips the proof.
+    spec = spec_for_class(type(target), getattr(target.config, "model_type", None),
+                          check_verified=not _verified)
     stock = _stock_forward(type(target), spec)
-    check_head(target.get_output_embeddings())
+    head = target.get_output_embeddings()
+    if getattr(target, spec.head_attr, None) is not head:
+        raise UnsupportedModelError(
+            f"fused_ce_patch cannot patch {type(target).__name__}: its forward calls "
+            f"self.{spec.head_attr}, which is not get_output_embeddings() (a head with more "
+            f"than the output projection)"
+        )
+    check_head(head)
 
     state = target.__dict__.get(STATE_ATTR)
     if state is not None:
@@ -392,6 +448,7 @@ def _revert_instance(target):
 
 
 def _revert_class(cls):
+    cls = next((k for k in cls.__mro__ if k in _PATCHED_CLASSES), cls)  # the owner patched
     loss_mapping.unroute_class(cls)  # even if someone replaced the patched forward since
     current = cls.__dict__.get("forward")
     if current is None or not is_patched_forward(current):
@@ -431,27 +488,61 @@ def is_fused_ce_applied(model) -> bool:
 
 
 def _apply_to_class(model_type: str, model, backend, logits_budget, return_logits):
-    spec = ARCHITECTURES[model_type]
+    cls = ARCHITECTURES[model_type].model_class()
     if model is not None:
         target = unwrap_causal_lm(model)
-        if _spec_for(target) is not spec:
+        if not isinstance(target, cls):
             raise UnsupportedModelError(
                 f"apply_fused_ce_to_{model_type.split('_')[0]} got a "
-                f"{type(target).__name__} (model_type {target.config.model_type!r})"
+                f"{type(target).__name__} (model_type "
+                f"{getattr(target.config, 'model_type', None)!r}), not a {cls.__name__}"
             )
         return apply_fused_ce(model, backend=backend, logits_budget=logits_budget,
                               return_logits=return_logits)
+    apply_fused_ce_to_class(cls, backend=backend, logits_budget=logits_budget,
+                            return_logits=return_logits)
+    return None
+
+
+def apply_fused_ce_to_class(
+    cls: type,
+    *,
+    backend: BackendName = "auto",
+    logits_budget: int | None = None,
+    return_logits: bool = False,
+) -> type:
+    """Patch a causal-LM class (every instance, existing and future) to use the fused loss.
+
+    The generic form of ``apply_fused_ce_to_<type>()``: any class the parity sweep verified
+    (README's support table), e.g. ``apply_fused_ce_to_class(Qwen3ForCausalLM)``. The forward
+    is patched on the class that defines it, so subclasses sharing it are patched too.
+    ``revert_fused_ce(cls)`` undoes it.
+
+    Args:
+        cls: a transformers causal-LM class (``XForCausalLM``, ``XForConditionalGeneration``).
+        backend: backend of :func:`~fused_ce_patch.fused_linear_cross_entropy`.
+        logits_budget: bytes of transient logits one chunk may hold (None: backend default).
+        return_logits: keep the stock path (real logits) everywhere.
+
+    Returns:
+        The class whose ``forward`` was patched (``cls`` or the base class defining it).
+
+    Raises:
+        UnsupportedModelError: the class is not verified (reason in the message).
+        ValueError: unknown backend or bad ``logits_budget``.
+    """
     options = make_options(backend, logits_budget, return_logits)
-    cls = spec.model_class()
-    current = cls.__dict__["forward"]
+    spec = spec_for_class(cls)
+    owner = next(k for k in cls.__mro__ if "forward" in k.__dict__)
+    current = owner.__dict__["forward"]
     stock = stock_forward_of(current)
     patched = patched_forward(stock, spec)
     class_slot(stock).options = options
     if current is not patched:
-        cls.forward = patched
-    _PATCHED_CLASSES.add(cls)
-    loss_mapping.route_class(cls)
-    return None
+        owner.forward = patched
+    _PATCHED_CLASSES.add(owner)
+    loss_mapping.route_class(owner)
+    return owner
 
 
 _CLASS_DOC = """Patch every {cls} (model_type ``{mt}``) to use the fused loss{extra}.
@@ -477,7 +568,7 @@ _CLASS_DOC = """Patch every {cls} (model_type ``{mt}``) to use the fused loss{ex
 
 
 def _class_patcher(model_type: str, short: str, extra: str = ""):
-    spec = ARCHITECTURES[model_type]
+    spec = ARCHITECTURES[model_type]  # a ClassRef: module and class name
 
     def apply(
         model: nn.Module | None = None,

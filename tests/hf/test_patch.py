@@ -105,9 +105,11 @@ def test_class_patcher_with_instance(spy):
 
 
 def test_unsupported_model_type():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    # BERT's head is `self.cls(...)`, not a plain `lm_head` call: refused by the derivation.
+    from transformers import BertConfig, BertLMHeadModel
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    model = BertLMHeadModel(BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                                       intermediate_size=32, vocab_size=50, is_decoder=True))
     with pytest.raises(UnsupportedModelError) as info:
         apply_fused_ce(model)
     assert isinstance(info.value, ValueError)

@@ -1,0 +1,514 @@
+"""Parity sweep: every causal-LM type in transformers' registry, patched vs stock, on CPU.
+
+For each ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: build a tiny random config
+(the config class's defaults shrunk: 2 layers, hidden 64, 4 heads, 4 experts, vocab 1000, no
+dropout; :data:`OVERRIDES` per type only where needed), the stock model and a patched copy with
+identical weights (float32, eager attention), and compare the training loss and every parameter
+gradient (relative error of the whole tensor: loss 1e-5, gradients 1e-4) on three batches — a
+padded one, one with ``num_items_in_batch``, one with ``shift_labels`` — with a spy proving the
+fused kernel ran in the patched copy (once per call) and never in the stock one. MoE types run
+with ``output_router_logits=True`` so the router aux loss is part of the comparison.
+
+Usage::
+
+    python -m fused_ce_patch.hf.sweep [--jobs 2] [--types llama,qwen3] [--json out.json]
+                                      [--write] [--readme README.md]
+
+``--write`` stores the results for the installed transformers version in ``verified.json``
+(the package refuses any class not passed there); ``--readme`` regenerates README's support
+table between its markers from ``verified.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+VOCAB = 1000
+TIMEOUT_S = 300
+
+#: Shrunk values, applied to every config (and sub-config) that has the attribute.
+SHRINK = {
+    "num_hidden_layers": 2, "num_layers": 2, "n_layer": 2, "n_layers": 2,
+    "hidden_size": 64, "n_embd": 64, "d_model": 64, "dim": 64,
+    "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "ffn_hidden_size": 128,
+    "num_attention_heads": 4, "n_head": 4, "n_heads": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_group": 1, "topk_group": 1,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 256, "n_positions": 256,
+    # state-space / linear-attention layers (their torch fallbacks are slow at default sizes)
+    "mamba_n_heads": 8, "mamba_d_state": 16, "mamba_chunk_size": 16, "mamba_d_ssm": 128,
+    "linear_num_heads": 4, "linear_head_dim": 16, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "state_size": 16, "ssm_state_size": 16, "chunk_size": 16, "shared_intermediate_size": 64,
+    "output_router_logits": True,
+    "router_jitter_noise": 0.0,
+    "use_cache": False,
+}
+
+#: Per-type config overrides (only where the shrunk defaults do not build or run), merged
+#: into the shrunk kwargs (nested dicts merged key by key).
+_MROPE = {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                              "mrope_section": [2, 3, 3]}}}
+OVERRIDES: dict[str, dict] = {"qwen2_vl": _MROPE, "qwen2_5_vl": _MROPE, "glm4v": _MROPE}
+
+
+def _merge(into: dict, extra: dict) -> dict:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+    return into
+
+
+#: Multimodal ``...ForConditionalGeneration`` types outside the causal-LM registry (from the
+#: image-text-to-text registry) whose text path ends in the same head; swept on text batches.
+MULTIMODAL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "mistral3",
+              "glm4v", "idefics3", "smolvlm", "internvl", "aya_vision", "lfm2_vl")
+
+
+def registry() -> dict[str, str]:
+    """``model_type -> class name``: the causal-LM registry plus :data:`MULTIMODAL`."""
+    from transformers.models.auto import modeling_auto as auto
+
+    out = dict(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    for model_type in MULTIMODAL:
+        name = auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type)
+        if name is not None and model_type not in out:
+            out[model_type] = name
+    return out
+
+
+def _rel_err(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def _special_ids(config, out=None, depth=0):
+    out = set() if out is None else out
+    for key, value in vars(config).items():
+        if key.endswith(("_token_id", "_token_index", "_id")) and isinstance(value, int):
+            out.add(value)
+        elif hasattr(value, "to_dict") and depth < 3:
+            _special_ids(value, out, depth + 1)
+    return out
+
+
+def _has(obj, key) -> bool:
+    try:
+        return hasattr(obj, key)
+    except Exception:  # noqa: BLE001 - e.g. per-layer attributes that refuse a global read
+        return False
+
+
+def _shrink_kwargs(config_cls, model_type, depth=0):
+    default = config_cls()
+    kwargs = {k: v for k, v in SHRINK.items() if k in vars(default) or _has(default, k)}
+    heads, kv = getattr(default, "num_attention_heads", None), vars(default).get(
+        "num_key_value_heads")
+    if kv is not None and heads is not None and kv >= heads:
+        kwargs["num_key_value_heads"] = SHRINK["num_attention_heads"]  # MHA / MLA stay MHA
+    if "head_dim" in vars(default) and vars(default)["head_dim"] is None:
+        kwargs["head_dim"] = SHRINK["hidden_size"] // SHRINK["num_attention_heads"]
+    rope = vars(default).get("rope_parameters")
+    if isinstance(rope, dict) and rope.get("mrope_section") and "head_dim" not in kwargs:
+        # multimodal RoPE sections must sum to head_dim / 2 of the shrunk model
+        half = SHRINK["hidden_size"] // SHRINK["num_attention_heads"] // 2
+        section = list(rope["mrope_section"])
+        scaled = [max(1, round(x * half / sum(section))) for x in section]
+        scaled[0] += half - sum(scaled)
+        kwargs["rope_parameters"] = {**rope, "mrope_section": scaled}
+    if vars(default).get("rotary_dim"):
+        kwargs["rotary_dim"] = 8
+    if "n_shared_experts" in vars(default) and not vars(default)["n_shared_experts"]:
+        kwargs["n_shared_experts"] = 1
+    for key, value in vars(default).items():
+        if "dropout" in key or key.endswith("_pdrop") or key == "attention_dropout":
+            if isinstance(value, float):
+                kwargs[key] = 0.0
+        elif hasattr(value, "to_dict") and hasattr(value, "__class__") and key.endswith("config"):
+            kwargs[key] = _shrink_kwargs(type(value), model_type, depth + 1)
+    # token ids beyond the shrunk vocab would index past the embedding
+    for key, value in vars(default).items():
+        if key.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
+            kwargs[key] = VOCAB - 1 - (hash(key) % 16)
+    if depth == 0:
+        _merge(kwargs, copy.deepcopy(OVERRIDES.get(model_type, {})))
+    return kwargs
+
+
+def tiny_config(model_type: str):
+    """A tiny random-initialisable config for ``model_type`` (see module docstring)."""
+    from transformers import CONFIG_MAPPING
+
+    config_cls = CONFIG_MAPPING[model_type]
+    kwargs = _shrink_kwargs(config_cls, model_type)
+    sub = {k: v for k, v in kwargs.items() if isinstance(v, dict)}
+    flat = {k: v for k, v in kwargs.items() if not isinstance(v, dict)}
+    config = config_cls(**flat, **{k: v for k, v in sub.items()})
+    _fix_layer_lists(config)
+    config._attn_implementation = "eager"
+    return config
+
+
+def _fix_layer_lists(config, depth=0):
+    n = getattr(config, "num_hidden_layers", None)
+    for key, value in list(vars(config).items()):
+        if isinstance(value, list) and n and key in ("layer_types", "layers_block_type",
+                                                     "block_types") and len(value) > n:
+            setattr(config, key, value[:n])
+        elif hasattr(value, "to_dict") and depth < 3:
+            _fix_layer_lists(value, depth + 1)
+    for sub in ("text_config", "vision_config", "audio_config"):
+        if hasattr(config, sub) and getattr(config, sub) is not None:
+            try:
+                getattr(config, sub)._attn_implementation = "eager"
+            except Exception:  # noqa: BLE001 - some sub-configs are plain dicts
+                pass
+
+
+def _batches(config, torch):
+    special = _special_ids(config)
+    allowed = torch.tensor([i for i in range(VOCAB) if i not in special])
+    g = torch.Generator().manual_seed(0)
+    ids = allowed[torch.randint(0, len(allowed), (2, 12), generator=g)]
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0  # right padding on the second row
+    labels = ids.masked_fill(mask == 0, -100)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    other = allowed[torch.randint(0, len(allowed), (2, 12), generator=g)]
+    counted = int((shifted != -100).sum())
+    return {
+        "padded": {"input_ids": ids, "attention_mask": mask, "labels": labels},
+        "num_items_in_batch": {"input_ids": ids, "attention_mask": mask, "labels": labels,
+                               "num_items_in_batch": torch.tensor(counted + 5)},
+        # shift_labels wins over labels in ForCausalLMLoss; unrelated labels prove it
+        "shift_labels": {"input_ids": ids, "attention_mask": mask, "labels": other,
+                         "shift_labels": shifted},
+    }
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout(f"over {TIMEOUT_S}s")
+
+
+def check_type(model_type: str) -> dict:
+    """Run the parity check for one model type; returns a result row (never raises)."""
+    import torch
+
+    import logging
+
+    torch.set_num_threads(1)
+    logging.getLogger("fused_ce_patch.hf.patch").setLevel(logging.ERROR)
+    class_name = registry()[model_type]
+    row = {"type": model_type, "class": class_name}
+    start = time.perf_counter()
+    if hasattr(signal, "SIGALRM"):
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.alarm(TIMEOUT_S)
+    try:
+        row.update(_check(model_type, class_name, torch))
+    except _Timeout as exc:
+        row.update(status="error", reason=f"timed out ({exc})")
+    except Exception as exc:  # noqa: BLE001 - every failure is a refusal with its reason
+        last = traceback.extract_tb(exc.__traceback__)[-1]
+        where = f"{os.path.basename(last.filename)}:{last.lineno}"
+        row.update(status="error", reason=f"{type(exc).__name__}: {str(exc)[:200]} ({where})")
+    finally:
+        if hasattr(signal, "SIGALRM"):
+            signal.alarm(0)
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    return row
+
+
+def _check(model_type, class_name, torch):
+    import transformers
+
+    from ..errors import UnsupportedModelError
+    from . import head as hf_forward  # where the fused loss is called (inside the head call)
+    from .patch import apply_fused_ce, revert_fused_ce, spec_for_class
+
+    cls = getattr(transformers, class_name)
+    try:
+        spec = spec_for_class(cls, model_type, check_verified=False)
+    except UnsupportedModelError as exc:
+        reason = str(exc).split("; supported model types")[0]
+        return {"status": "unsupported", "reason": reason.split(": ", 1)[-1]}
+    out = {"transform": spec.transform_name, "transform_expr": list(spec.transform),
+           "moe_aux": spec.moe_aux, "source_hash": spec.source_hash,
+           "defining_class": spec.class_name}
+    torch.manual_seed(0)
+    try:
+        config = tiny_config(model_type)
+        if not isinstance(config, cls.config_class) and hasattr(config, "get_text_config"):
+            # the registry's text-only class under a composite config's model_type
+            config = config.get_text_config()
+            config._attn_implementation = "eager"
+        stock = cls(config).float()
+    except Exception as exc:  # noqa: BLE001
+        out.update(status="unbuildable", reason=f"tiny model: {type(exc).__name__}: "
+                   f"{str(exc)[:200]}")
+        return out
+    patched = copy.deepcopy(stock)
+    stock.train()
+    patched.train()
+    calls = []
+    real = hf_forward.fused_linear_cross_entropy
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    hf_forward.fused_linear_cross_entropy = spy
+    worst = {"loss": 0.0, "grad": 0.0}
+    try:
+        for name, batch in _batches(config, torch).items():
+            stock.zero_grad(set_to_none=True)
+            patched.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            try:
+                want = stock(**batch)
+                want.loss.backward()
+            except Exception as exc:  # noqa: BLE001 - the stock model itself cannot run this
+                out.update(status="unbuildable", reason=f"stock {name}: {type(exc).__name__}: "
+                           f"{str(exc)[:200]}")
+                return out
+            if calls:
+                raise AssertionError("the stock model ran the fused kernel")
+            try:
+                apply_fused_ce(patched, backend="torch", _verified=True)
+            except UnsupportedModelError as exc:  # e.g. a head that is more than a Linear
+                out.update(status="unsupported",
+                           reason=str(exc).split("; supported model types")[0])
+                return out
+            torch.manual_seed(1)
+            got = patched(**batch)
+            if len(calls) != 1:
+                raise AssertionError(f"{name}: fused kernel ran {len(calls)} times, want 1")
+            calls.clear()
+            got.loss.backward()
+            revert_fused_ce(patched)
+            err = _rel_err(got.loss, want.loss)
+            if not torch.isfinite(got.loss) or err > LOSS_RTOL:
+                raise AssertionError(f"{name}: loss {got.loss.item():.6g} vs stock "
+                                     f"{want.loss.item():.6g} (rel {err:.2e})")
+            worst["loss"] = max(worst["loss"], err)
+            for key in ("aux_loss",):
+                a, b = getattr(got, key, None), getattr(want, key, None)
+                if (a is None) != (b is None) or (a is not None and _rel_err(a, b) > LOSS_RTOL):
+                    raise AssertionError(f"{name}: {key} differs")
+            grads = dict(stock.named_parameters())
+            # Relative to the tensor's own norm, floored at 1e-3 of the largest gradient norm:
+            # gradients that are zero in exact arithmetic (e.g. a key bias under softmax) are
+            # rounding noise on both sides.
+            floor = 1e-3 * max((q.grad.norm().item() for q in grads.values()
+                                if q.grad is not None), default=0.0)
+            for pname, p in patched.named_parameters():
+                q = grads[pname]
+                if (p.grad is None) != (q.grad is None):
+                    raise AssertionError(f"{name}: grad of {pname} is None on one side only")
+                if p.grad is None:
+                    continue
+                diff = (p.grad.double() - q.grad.double()).norm().item()
+                gerr = diff / max(q.grad.norm().item(), floor, 1e-30)
+                if not torch.isfinite(p.grad).all() or gerr > GRAD_RTOL:
+                    raise AssertionError(f"{name}: grad {pname} rel {gerr:.2e}")
+                worst["grad"] = max(worst["grad"], gerr)
+    except AssertionError as exc:
+        out.update(status="fail", reason=str(exc)[:300])
+        return out
+    finally:
+        hf_forward.fused_linear_cross_entropy = real
+    out.update(status="pass", loss_rel_err=worst["loss"], grad_rel_err=worst["grad"])
+    return out
+
+
+def run(types=None, jobs=2, progress=True) -> list[dict]:
+    """Check ``types`` (default: :func:`registry`) in ``jobs`` processes; rows sorted."""
+    names = registry()
+    types = sorted(types or names)
+    rows = []
+    if jobs <= 1:
+        it = map(check_type, types)
+        for row in it:
+            rows.append(row)
+            if progress:
+                _print_row(row)
+    else:
+        import multiprocessing
+        from concurrent.futures import as_completed
+        from concurrent.futures.process import BrokenProcessPool
+
+        ctx = multiprocessing.get_context("spawn")
+        todo, workers = list(types), jobs
+        while todo:
+            crashed = []
+            with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+                futures = {pool.submit(check_type, t): t for t in todo}
+                for fut in as_completed(futures):
+                    try:
+                        row = fut.result()
+                    except BrokenProcessPool:  # a worker died (segfault, OOM kill)
+                        crashed.append(futures[fut])
+                        continue
+                    rows.append(row)
+                    if progress:
+                        _print_row(row)
+            if not crashed:
+                break
+            if workers == 1:
+                # One worker runs the tasks in order: the first unfinished one killed it.
+                culprit = min(crashed, key=todo.index)
+                crashed.remove(culprit)
+                row = {"type": culprit, "class": names[culprit],
+                       "status": "error", "reason": "the sweep worker process died"}
+                rows.append(row)
+                if progress:
+                    _print_row(row)
+            workers = 1
+            todo = sorted(crashed, key=todo.index)
+    return sorted(rows, key=lambda r: r["type"])
+
+
+def _print_row(row):
+    extra = row.get("reason", "")
+    print(f"{row['status']:12s} {row['type']:28s} {row['class']:40s} "
+          f"{row.get('transform', ''):10s} {extra}", flush=True)
+
+
+# -- the committed data file and README table -----------------------------------------------
+
+_KEEP = ("class", "defining_class", "status", "reason", "transform", "transform_expr", "moe_aux",
+         "source_hash")
+
+
+def write_verified(rows, path=None) -> None:
+    """Store ``rows`` for the installed transformers version in ``verified.json``."""
+    import transformers
+
+    from .verified import VERIFIED_PATH
+
+    path = path or VERIFIED_PATH
+    data = json.loads(path.read_text()) if os.path.exists(path) else {"types": {}}
+    version = transformers.__version__
+    for row in rows:
+        entry = {k: row[k] for k in _KEEP if k in row}
+        # the proof is keyed on the class that defines the rewritten forward
+        if "defining_class" in entry:
+            entry["class"], entry["registry_class"] = entry.pop("defining_class"), row["class"]
+        data["types"].setdefault(row["type"], {})[version] = entry
+    data["types"] = dict(sorted(data["types"].items()))
+    path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+
+
+BEGIN = "<!-- support-table:begin (generated by python -m fused_ce_patch.hf.sweep --readme) -->"
+END = "<!-- support-table:end -->"
+
+
+def support_table(data: dict) -> str:
+    """Markdown: one row per model type, with the versions each passed / was refused on."""
+    versions = sorted({v for rows in data["types"].values() for v in rows},
+                      key=lambda v: tuple(int(x) for x in v.split(".")[:3] if x.isdigit()))
+    passed = [t for t, rows in data["types"].items()
+              if any(r.get("status") == "pass" for r in rows.values())]
+    counts = "; ".join(
+        f"{v}: {sum(r.get(v, {}).get('status') == 'pass' for r in data['types'].values())} of "
+        f"{sum(v in r for r in data['types'].values())}" for v in versions
+    )
+    lines = [
+        f"Verified by the parity sweep ({len(passed)} types in all) — transformers {counts}. "
+        "A model is patched when its class's installed `forward` source is one that passed "
+        "(any version column); anything else is refused by `apply_fused_ce` with its reason.",
+        "",
+        "| type | class | transform | MoE aux | " + " | ".join(versions) + " |",
+        "|---|---|---|---|" + "---|" * len(versions),
+    ]
+    refused = []
+    for model_type, rows in data["types"].items():
+        any_row = next(iter(rows.values()))
+        cells = []
+        for v in versions:
+            r = rows.get(v)
+            cells.append("—" if r is None else ("pass" if r.get("status") == "pass" else "refused"))
+            if r is not None and r.get("status") != "pass":
+                refused.append((model_type, v, r.get("reason", r.get("status"))))
+        if not any(r.get("status") == "pass" for r in rows.values()):
+            continue
+        best = next(r for r in rows.values() if r.get("status") == "pass")
+        lines.append(
+            f"| {model_type} | {best.get('registry_class', any_row.get('class'))} | "
+            f"{best.get('transform', '')} | {'yes' if best.get('moe_aux') else ''} | "
+            + " | ".join(cells) + " |"
+        )
+    lines += ["", "<details><summary>Refused types and reasons</summary>", "",
+              "| type | transformers | reason |", "|---|---|---|"]
+    for model_type, v, reason in refused:
+        reason = str(reason).replace("|", "\\|").replace("\n", " ")[:160]
+        lines.append(f"| {model_type} | {v} | {reason} |")
+    lines += ["", "</details>"]
+    return "\n".join(lines)
+
+
+def write_readme(readme, data=None) -> bool:
+    """Replace README's table between the markers; True when the file changed."""
+    from .verified import VERIFIED_PATH
+
+    data = data or json.loads(VERIFIED_PATH.read_text())
+    text = open(readme, encoding="utf-8").read()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{readme} has no support-table markers ({BEGIN!r} ... {END!r})")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    new = f"{head}{BEGIN}\n{support_table(data)}\n{END}{tail}"
+    if new != text:
+        open(readme, "w", encoding="utf-8").write(new)
+    return new != text
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--types", help="comma-separated model types (default: all)")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--json", help="write the result rows here")
+    parser.add_argument("--write", action="store_true", help="update verified.json")
+    parser.add_argument("--readme", help="regenerate the support table in this README")
+    args = parser.parse_args(argv)
+    rows = []
+    if args.types != "":
+        types = args.types.split(",") if args.types else None
+        rows = run(types, jobs=args.jobs)
+        passed = [r for r in rows if r["status"] == "pass"]
+        print(f"\n{len(passed)} of {len(rows)} types verified; refused:")
+        for r in rows:
+            if r["status"] != "pass":
+                print(f"  {r['type']}: {r['status']}: {r.get('reason', '')}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.write:
+        write_verified(rows)
+    if args.readme:
+        write_readme(args.readme)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
