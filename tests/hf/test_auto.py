@@ -35,10 +35,12 @@ def test_from_pretrained(tmp_path, spy):
     assert_close_rel(got.loss, want.loss, LOSS_RTOL, "loss")
 
 
-def _gpt2_config():
-    from transformers import GPT2Config
+def _bert_config():
+    # BERT's LM head is an MLP, not a Linear: a type the sweep refuses.
+    from transformers import BertConfig
 
-    return GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=97, n_positions=32)
+    return BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                      intermediate_size=32, vocab_size=97, is_decoder=True)
 
 
 def _ours(record):
@@ -52,22 +54,22 @@ def test_unsupported_model_loads_unpatched_with_one_warning(how, tmp_path, spy):
 
     with pytest.warns(UserWarning) as record:
         if how == "from_config":
-            model = AutoFusedCEForCausalLM.from_config(_gpt2_config(),
+            model = AutoFusedCEForCausalLM.from_config(_bert_config(),
                                                        fused_ce_backend="torch")
         else:
             torch.manual_seed(0)
-            AutoModelForCausalLM.from_config(_gpt2_config()).save_pretrained(tmp_path)
+            AutoModelForCausalLM.from_config(_bert_config()).save_pretrained(tmp_path)
             model = AutoFusedCEForCausalLM.from_pretrained(tmp_path, fused_ce_backend="torch")
     ours = _ours(record)
     assert len(ours) == 1, [str(w.message) for w in record]
-    assert "GPT2LMHeadModel" in str(ours[0].message) and "gpt2" in str(ours[0].message)
-    assert type(model).__name__ == "GPT2LMHeadModel" and not is_fused_ce_applied(model)
+    assert "BertLMHeadModel" in str(ours[0].message) and "bert" in str(ours[0].message)
+    assert type(model).__name__ == "BertLMHeadModel" and not is_fused_ce_applied(model)
     assert "forward" not in model.__dict__ and "_loss_function" not in model.__dict__
     model.train()
     ids = torch.randint(0, 97, (2, 8))
     out = model(input_ids=ids, labels=ids)
     assert isinstance(out.logits, torch.Tensor) and torch.isfinite(out.loss) and spy.count == 0
-    with pytest.raises(UnsupportedModelError, match="gpt2"):  # the explicit call still refuses
+    with pytest.raises(UnsupportedModelError, match="bert"):  # the explicit call still refuses
         apply_fused_ce(model)
 
 
@@ -80,6 +82,6 @@ def test_bad_option_still_raises_before_loading(monkeypatch):
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_load)
     monkeypatch.setattr(AutoModelForCausalLM, "from_config", no_load)
     with pytest.raises(ValueError, match="unknown backend"):
-        AutoFusedCEForCausalLM.from_config(_gpt2_config(), fused_ce_backend="nope")
+        AutoFusedCEForCausalLM.from_config(_bert_config(), fused_ce_backend="nope")
     with pytest.raises(TypeError, match="logits_budget"):
         AutoFusedCEForCausalLM.from_pretrained("x", fused_ce_logits_budget=True)
