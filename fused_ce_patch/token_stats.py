@@ -1,4 +1,4 @@
-"""Per-token outputs of the fused head: :func:`fused_linear_token_stats` (DESIGN.md §6).
+"""Per-token outputs of the fused head: :func:`fused_linear_token_stats` (docs/design.md).
 
 What trainers beyond plain SFT consume (TRL's DPO, KTO, GRPO, RLOO and its fused LM head): the
 log-probability of each label, and on request the entropy of each row's distribution and
