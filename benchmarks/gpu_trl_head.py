@@ -34,13 +34,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
 import sys
 import time
 import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# Same inputs, float32 reference and cleanup as the loss-layer benchmark, so rows compare.
+from gpu_bench import cleanup, make_inputs, reference  # noqa: E402
 
 SHAPES = {  # name: (N, H, V, softcap)
     "llama3-8b": (8192, 4096, 128256, None),
@@ -107,29 +110,6 @@ def main(argv=None):
     print_table(rows)
     return rows
 
-
-def make_inputs(torch, n, h, v, dev):
-    g = torch.Generator(device=dev).manual_seed(0)
-    hidden = torch.randn(n, h, device=dev, generator=g).bfloat16()
-    weight = (torch.randn(v, h, device=dev, generator=g) / math.sqrt(h)).bfloat16()
-    labels = torch.randint(0, v, (n,), device=dev, generator=g)
-    labels[torch.rand(n, device=dev, generator=g) < 0.1] = -100
-    return {"hidden": hidden, "weight": weight, "labels": labels}
-
-
-def reference(torch, data, softcap):
-    """float32 loss, dH, dW through materialised logits (the same bf16 inputs, upcast)."""
-    import torch.nn.functional as F
-
-    h = data["hidden"].float().requires_grad_()
-    w = data["weight"].float().requires_grad_()
-    z = F.linear(h, w)
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    loss = F.cross_entropy(z, data["labels"])
-    dh, dw = torch.autograd.grad(loss, [h, w])
-    del z
-    return {"loss": loss.detach(), "dh": dh, "dw": dw}
 
 
 def build(torch, impl, softcap):
@@ -215,13 +195,6 @@ def measure(torch, fn, data, ref, args, dev):
         "err_dw": rel(weight.grad, ref["dw"]),
     }
 
-
-def cleanup(torch, dev):
-    import gc
-
-    gc.collect()
-    if dev == "cuda":
-        torch.cuda.empty_cache()
 
 
 def environment(torch, dev):
