@@ -106,6 +106,7 @@ def fused_linear_cross_entropy(
         reduction, backend, num_items_in_batch, softcap, label_smoothing, z_loss, logits_budget
     )
     ignore_index = _check_ignore_index(ignore_index)
+    _check_shift(shift)
     _check_real_tensors(hidden, weight, labels, bias)  # before autocast, which rejects meta
     hidden, weight, bias = _autocast(hidden, weight, bias)
     if torch.compiler.is_compiling():  # Dynamo: one opaque custom op, no graph break (ops.py)
@@ -172,6 +173,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     ):
         super().__init__()
         _check_options(reduction, backend, None, softcap, label_smoothing, z_loss, logits_budget)
+        _check_shift(shift)
         self.ignore_index = _check_ignore_index(ignore_index)
         self.reduction = reduction
         self.shift = shift
@@ -223,6 +225,12 @@ def _check_ignore_index(ignore_index) -> int:
     if not _is_number(ignore_index, numbers.Integral):
         raise _number_error("ignore_index", ignore_index, "an int (e.g. -100)")
     return int(ignore_index)
+
+
+def _check_shift(shift) -> None:
+    """``shift`` must be a bool: a string such as ``"no"`` is truthy and would shift."""
+    if not isinstance(shift, bool):
+        raise TypeError(f"shift must be True or False, got {type(shift).__name__} {shift!r}")
 
 
 def _check_options(reduction, backend, num_items, softcap, label_smoothing, z_loss, budget):

@@ -8,13 +8,24 @@ whether the label is the argmax, all without the ``[tokens, vocab]`` logits.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
 
 from . import backends
 from .backends.token_stats import Transform, token_stats_chunked, token_stats_reference
-from .loss import _autocast, _check_labels, _check_tensors, _shift
+from .loss import (
+    _autocast,
+    _check_ignore_index,
+    _check_labels,
+    _check_shift,
+    _check_tensors,
+    _is_number,
+    _number_error,
+    _shift,
+    check_logits_budget,
+)
 
 
 class TokenStats(NamedTuple):
@@ -116,6 +127,8 @@ def fused_linear_token_stats(
     head (``trl.trainer.utils.add_fused_lm_head``, trl 1.16).
     """
     _check_options(softcap, logit_scale, temperature, logits_budget, backend)
+    ignore_index = _check_ignore_index(ignore_index)
+    _check_shift(shift)
     hidden, weight, bias = _autocast(hidden, weight, bias)
     _check_tensors(hidden, weight, labels, bias)
     if labels.dtype != torch.int64:
@@ -157,6 +170,12 @@ def fused_linear_token_stats(
 
 
 def _check_options(softcap, logit_scale, temperature, budget, backend):
+    # Types as fused_linear_cross_entropy checks them: a bool is never a number here.
+    for name, value in (("softcap", softcap), ("logit_scale", logit_scale),
+                        ("temperature", temperature)):
+        if not (value is None and name == "softcap") and not _is_number(value, numbers.Real):
+            raise _number_error(name, value, "a real number")
+    check_logits_budget(budget)
     if backend not in backends.backend_names():
         raise ValueError(
             f"unknown backend {backend!r}; valid: {', '.join(backends.backend_names())}"
@@ -167,6 +186,3 @@ def _check_options(softcap, logit_scale, temperature, budget, backend):
         raise ValueError(f"logit_scale must be a finite non-zero number, got {logit_scale}")
     if not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                               or budget < 0):
-        raise ValueError(f"logits_budget must be None or an int >= 0 (bytes), got {budget!r}")

@@ -125,8 +125,10 @@ def make_options(backend, logits_budget, return_logits) -> FusedCEOptions:
     if backend not in backend_names():
         raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(backend_names())}")
     check_logits_budget(logits_budget)
+    if not isinstance(return_logits, bool):  # "no" is truthy: it would silently keep logits
+        raise TypeError(f"return_logits must be True or False, got {return_logits!r}")
     return FusedCEOptions(backend=backend, logits_budget=logits_budget,
-                          return_logits=bool(return_logits))
+                          return_logits=return_logits)
 
 
 # -- finding the causal LM inside wrappers ---------------------------------------------------
@@ -326,6 +328,8 @@ def apply_fused_ce(
         ValueError: unknown backend or a negative ``logits_budget``.
         TypeError: ``logits_budget`` not an int (a bool or a float).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_fused_ce needs a torch.nn.Module, got {type(model).__name__}")
     options = make_options(backend, logits_budget, return_logits)
     target = unwrap_causal_lm(model)
     # _verified: only the parity sweep, which is what does the verifying, skips the proof.
@@ -531,6 +535,8 @@ def apply_fused_ce_to_class(
         UnsupportedModelError: the class is not verified (reason in the message).
         ValueError: unknown backend or bad ``logits_budget``.
     """
+    if not isinstance(cls, type):
+        raise TypeError(f"apply_fused_ce_to_class needs a class, got {type(cls).__name__} {cls!r}")
     options = make_options(backend, logits_budget, return_logits)
     spec = spec_for_class(cls)
     owner = next(k for k in cls.__mro__ if "forward" in k.__dict__)
