@@ -3,19 +3,25 @@
 Question: when TRL's trainers (trl >= 1.15) compute with fused_ce_patch instead of their own
 ``ChunkedLogProbFunction``, what happens to time, memory beyond the gradients, and error?
 
-Implementations (each a ``(hidden, weight, labels) -> mean loss`` with backward to hidden and
+Implementations (each a ``(hidden, weight, labels) -> loss`` with backward to hidden and
 weight; ``labels`` has 10 % ``-100``):
     trl-sft        TRL's kernel as its SFT head calls it: counted rows only (``hidden[mask]``),
                    outputs log_probs, entropy, is_top1 (trl.kernels.ChunkedLogProbFunction,
                    chunk 32768 as in trl.trainer.utils)
     trl-logp       the same with log_probs only (DPO's reference model, GRPO without entropy)
-    ours-sft       fused_linear_token_stats(entropy=True, accuracy=True): what the routed
-                   TRL head computes for a patched model
-    ours-logp      fused_linear_token_stats, log_probs only
-    ours-sft-eager ours-sft with the tile functions eager (FUSED_CE_TOKEN_STATS_COMPILE=0)
+    trl-grpo       trl-sft's outputs with a per-token weight on the log-probabilities (GRPO's
+                   advantages, fixed random values in [-1, 1])
+    ours-sft       fused_linear_token_stats(entropy=True, accuracy=True) with one
+                   ForwardGradHint kept across calls: what the routed TRL head computes for
+                   a patched model (backend "triton": gradient formed in forward)
+    ours-logp      fused_linear_token_stats, log_probs only, no hint (gradient in backward)
+    ours-grpo      ours-sft with trl-grpo's per-token weights (the hint turns itself off in
+                   the first warm-up step: gradient in backward)
+    ours-sft-tiles ours-sft on the torch-tile algorithm (backend "torch", compiled tile math):
+                   the implementation before the Triton row kernel, for comparison
     ours-loss      fused_linear_cross_entropy (backend "auto"): the fused loss of a plain
                    Trainer run, for comparison
-The loss is ``-sum(log_probs) / n_counted`` (TRL's SFT loss).
+The loss is ``-sum(log_probs) / n_counted`` (TRL's SFT loss), weighted per token for *-grpo.
 
 Method: bf16 inputs (hidden ~ N(0, 1), weight ~ N(0, 1/H)), 10 % ignored labels. Time: median
 of ``--iters`` fwd+bwd with CUDA events after ``--warmup`` runs. Memory: peak
@@ -53,10 +59,10 @@ SHAPES = {  # name: (N, H, V, softcap)
     "gemma3-270m": (32768, 640, 262144, None),
 }
 TINY = {"tiny": (64, 32, 1003, None), "tiny-softcap": (48, 24, 517, 30.0)}
-IMPLS = ["trl-sft", "trl-logp", "ours-sft", "ours-logp", "ours-sft-eager", "ours-loss"]
+IMPLS = ["trl-sft", "trl-logp", "trl-grpo", "ours-sft", "ours-logp", "ours-grpo",
+         "ours-sft-tiles", "ours-loss"]
 TRL_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE (trl 1.16)
 MiB = 2**20
-COMPILE_ENV = "FUSED_CE_TOKEN_STATS_COMPILE"  # fused_ce_patch.backends.token_stats.COMPILE_ENV
 
 
 def main(argv=None):
@@ -82,29 +88,24 @@ def main(argv=None):
     for name, (n, h, v, softcap) in shapes.items():
         print(f"\n== {name}: N={n} H={h} V={v} softcap={softcap}", flush=True)
         data = make_inputs(torch, n, h, v, dev)
-        ref = reference(torch, data, softcap)
-        for impl in args.impls.split(","):
+        impls = args.impls.split(",")
+        refs = {False: reference(torch, data, softcap)}
+        if any(i.endswith("-grpo") for i in impls):
+            refs[True] = reference_weighted(torch, data, softcap)
+        for impl in impls:
+            ref = refs[impl.endswith("-grpo")]
             t0 = time.time()
-            # "-eager": forward and backward with the tile functions uncompiled
-            saved = os.environ.get(COMPILE_ENV)
-            if impl.endswith("-eager"):
-                os.environ[COMPILE_ENV] = "0"
             try:
                 row = measure(torch, build(torch, impl, softcap), data, ref, args, dev)
             except Exception as exc:  # one failing implementation must not end the run
                 traceback.print_exc()
                 row = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            finally:
-                if saved is None:
-                    os.environ.pop(COMPILE_ENV, None)
-                else:
-                    os.environ[COMPILE_ENV] = saved
             row.update(shape=name, impl=impl, N=n, H=h, V=v, softcap=softcap,
                        wall_s=round(time.time() - t0, 1))
             rows.append(row)
             print(fmt_row(row), flush=True)
             cleanup(torch, dev)
-        del data, ref
+        del data, ref, refs
         cleanup(torch, dev)
         save(args, env, rows)
     print_table(rows)
@@ -112,29 +113,61 @@ def main(argv=None):
 
 
 
+def _weights(torch, labels, grpo):
+    """Per-token weights of the log-probabilities: 1, or fixed values in [-1, 1] (GRPO)."""
+    if not grpo:
+        return None
+    g = torch.Generator(device=labels.device).manual_seed(7)
+    return torch.rand(labels.shape, generator=g, device=labels.device) * 2 - 1
+
+
+def reference_weighted(torch, data, softcap):
+    """float32 ``-sum(w * log p_y) / n_counted`` with the *-grpo weights, and its dH, dW."""
+    h = data["hidden"].float().requires_grad_()
+    w = data["weight"].float().requires_grad_()
+    labels = data["labels"]
+    z = h @ w.t()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    mask = labels != -100
+    lp = torch.log_softmax(z, -1).gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+    loss = -(lp * _weights(torch, labels, True) * mask).sum() / mask.sum()
+    dh, dw = torch.autograd.grad(loss, [h, w])
+    del z, lp
+    return {"loss": loss.detach(), "dh": dh, "dw": dw}
+
+
 def build(torch, impl, softcap):
     sft = ("log_probs", "entropy", "is_top1")
+    grpo = impl.endswith("-grpo")
     if impl.startswith("trl"):
         from trl.kernels import ChunkedLogProbFunction
 
-        outputs = sft if impl == "trl-sft" else ("log_probs",)
+        outputs = ("log_probs",) if impl == "trl-logp" else sft
 
         def trl_head(hidden, weight, labels):
             mask = labels != -100  # TRL's head scores the counted rows only (on CUDA)
             lp = ChunkedLogProbFunction.apply(hidden[mask], weight, None, labels[mask], 1.0,
                                               TRL_CHUNK, softcap, 1.0, outputs)[0]
+            w = _weights(torch, labels, grpo)
+            lp = lp if w is None else lp * w[mask]
             return -lp.sum() / mask.sum().clamp(min=1)
 
         return trl_head
-    if impl in ("ours-sft", "ours-logp", "ours-sft-eager"):
-        from fused_ce_patch import fused_linear_token_stats
+    if impl in ("ours-sft", "ours-logp", "ours-grpo", "ours-sft-tiles"):
+        from fused_ce_patch import ForwardGradHint, fused_linear_token_stats
 
         full = impl != "ours-logp"
+        hint = None if impl == "ours-logp" else ForwardGradHint()
+        backend = "torch" if impl.endswith("-tiles") else "auto"
 
         def ours(hidden, weight, labels):
             s = fused_linear_token_stats(hidden, weight, labels, softcap=softcap,
-                                         entropy=full, accuracy=full)
-            return -s.log_probs.sum() / s.mask.sum().clamp(min=1)
+                                         entropy=full, accuracy=full, backend=backend,
+                                         grad_hint=hint)
+            w = _weights(torch, labels, grpo)
+            lp = s.log_probs if w is None else s.log_probs * w
+            return -lp.sum() / s.mask.sum().clamp(min=1)
 
         return ours
     if impl == "ours-loss":

@@ -11,7 +11,7 @@ from importlib import import_module
 
 from .errors import BackendUnavailableError, LogitsNotMaterializedError, UnsupportedModelError
 from .loss import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
-from .token_stats import TokenStats, fused_linear_token_stats
+from .token_stats import ForwardGradHint, TokenStats, fused_linear_token_stats
 
 __version__ = "0.1.0"
 
@@ -35,6 +35,7 @@ __all__ = [
     "FusedLinearCrossEntropyLoss",
     "fused_linear_token_stats",
     "TokenStats",
+    "ForwardGradHint",
     "BackendUnavailableError",
     "LogitsNotMaterializedError",
     "UnsupportedModelError",

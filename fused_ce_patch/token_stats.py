@@ -7,6 +7,7 @@ whether the label is the argmax, all without the ``[tokens, vocab]`` logits.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import NamedTuple
@@ -26,6 +27,26 @@ from .loss import (
     _shift,
     check_logits_budget,
 )
+
+
+@dataclasses.dataclass
+class ForwardGradHint:
+    """Lets :func:`fused_linear_token_stats` form its gradient in the forward pass.
+
+    Pass one instance on every call of one training loop whose loss is a mean or sum of the
+    ``log_probs`` (the same upstream gradient on every counted position, none on the
+    entropy), as SFT's is. On backend ``"triton"`` the forward then also forms the gradient
+    (3 matmuls per chunk instead of 4, the loss's schedule); the backward checks, with one
+    host sync, that its upstream gradient is indeed one value, and scales. If it is not (a
+    per-token weight, an entropy term), that call recomputes its gradient exactly and
+    :attr:`on` turns False, so later calls with this hint recompute directly. Results are
+    the same either way; only the time differs. float16 inputs always recompute.
+
+    Attributes:
+        on: whether the next forward forms the gradient (set False by a mismatch).
+    """
+
+    on: bool = True
 
 
 class TokenStats(NamedTuple):
@@ -66,6 +87,7 @@ def fused_linear_token_stats(
     log_sum_sq_probs: bool = False,
     logits_budget: int | None = None,
     backend: str = "auto",
+    grad_hint: ForwardGradHint | None = None,
 ) -> TokenStats:
     """Per-token log-probabilities (and optionally entropy and top-1 hits) of
     ``hidden @ weight.T (+ bias)`` without storing the ``[N, V]`` logits.
@@ -102,15 +124,22 @@ def fused_linear_token_stats(
         accuracy: also return ``is_top1``.
         mean_logits, log_sum_sq_probs: also return ``mean_v z_v`` / ``log sum_v p_v^2`` (the
             fields TRL's DPO logs and its WPO weighting uses; no gradient).
-        logits_budget: bytes of transient logits a chunk may hold (None: 256 MiB); the peak
-            extra memory follows it, not ``N * V``.
+        logits_budget: bytes of transient logits a chunk may hold (None: the loss's default,
+            256 MiB per 8192 counted rows, at most 512 MiB); the peak extra memory follows
+            it, not ``N * V``.
         backend: any name ``fused_linear_cross_entropy`` accepts. ``"reference"``
             materialises the logits in float32 (float64) and uses autograd — the oracle.
-            Every other name (after the same availability check as the loss, so a
-            backend that cannot run here raises the same error) runs the chunked torch
-            algorithm of :mod:`fused_ce_patch.backends.token_stats`, whose matmuls use the
-            device's BLAS (cuBLAS, CANN, CPU); on CUDA its per-tile element-wise math is
-            fused by ``torch.compile`` (``$FUSED_CE_TOKEN_STATS_COMPILE=0`` turns that off).
+            ``"triton"`` (the CUDA default) runs cuBLAS logits chunks and one Triton row
+            kernel (:mod:`fused_ce_patch.backends.triton.token_stats`); it falls back to the
+            tiles below for float64 or when fewer than 16 rows fit the budget. Every other
+            name (after the same availability check as the loss, so a backend that cannot
+            run here raises the same error) runs the tiled torch algorithm of
+            :mod:`fused_ce_patch.backends.token_stats`, whose matmuls use the device's BLAS
+            (CANN, CPU); on CUDA its per-tile element-wise math is fused by
+            ``torch.compile`` (``$FUSED_CE_TOKEN_STATS_COMPILE=0`` turns that off).
+        grad_hint: a :class:`ForwardGradHint` shared by the calls of one training loop whose
+            loss is a mean or sum of ``log_probs``: saves one matmul per chunk on backend
+            ``"triton"`` (see the class). None: the gradient is formed in backward.
 
     Returns:
         :class:`TokenStats` ``(log_probs, entropy, is_top1, mask, mean_logits,
@@ -137,7 +166,7 @@ def fused_linear_token_stats(
         labels = _shift(labels, ignore_index)
     flat = labels.reshape(-1)
     valid_rows, n_valid = _check_labels(flat, weight.shape[0], ignore_index)
-    backends.resolve(backend, hidden.device, hidden.dtype)  # same availability errors as the loss
+    chosen = backends.resolve(backend, hidden.device, hidden.dtype)  # the loss's errors
     transform = Transform(float(logit_scale), None if softcap is None else float(softcap),
                           float(temperature))
 
@@ -150,9 +179,16 @@ def fused_linear_token_stats(
                                     ("mean_logits", mean_logits),
                                     ("log_sum_sq_probs", log_sum_sq_probs)) if on}
     with torch.autocast(hidden.device.type, enabled=False):
+        out = None
         if backend == "reference":
             out = token_stats_reference(h, weight, bias, y, transform, extras)
-        else:
+        elif chosen.name == "triton" and hidden.dtype != torch.float64:
+            from .backends.triton import default_budget
+            from .backends.triton.token_stats import token_stats_triton
+
+            budget = default_budget(h.shape[0]) if logits_budget is None else logits_budget
+            out = token_stats_triton(h, weight, bias, y, transform, extras, budget, grad_hint)
+        if out is None:  # also when too few rows fit the budget for the Triton chunks
             out = token_stats_chunked(h, weight, bias, y, transform, extras, logits_budget)
     lp, ent, top1, mean_z, log_sq = out
     mask = flat != ignore_index

@@ -210,10 +210,10 @@ def test_tiny_benchmark_runs(tmp_path):
     spec = importlib.util.spec_from_file_location("gpu_trl_head", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    impls = "ours-sft,ours-logp,ours-sft-eager,ours-loss"
+    impls = "ours-sft,ours-logp,ours-grpo,ours-sft-tiles,ours-loss"
     if importlib.util.find_spec("trl") is not None and \
             importlib.util.find_spec("trl.kernels") is not None:  # trl >= 1.15
-        impls += ",trl-sft,trl-logp"
+        impls += ",trl-sft,trl-logp,trl-grpo"
     rows = bench.main(["--tiny", "--iters", "1", "--warmup", "0", "--impls", impls,
                        "--out", str(tmp_path)])
     assert rows and all("error" not in r for r in rows), rows

@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 
 import torch
 
-from ..token_stats import fused_linear_token_stats
+from ..token_stats import ForwardGradHint, fused_linear_token_stats
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,17 @@ SUPPORTED_FIELDS = frozenset(
 
 _ORIGINALS: dict = {}  # (module name, attribute) -> TRL's object
 _said: set = set()
+#: One ForwardGradHint per patched model: TRL's SFT loss is a mean of the log-probabilities,
+#: so their gradient can be formed in forward; DPO/GRPO weights turn the hint off after
+#: their first backward (fused_ce_patch.token_stats.ForwardGradHint).
+_HINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _grad_hint(model) -> ForwardGradHint:
+    hint = _HINTS.get(model)
+    if hint is None:
+        hint = _HINTS[model] = ForwardGradHint()
+    return hint
 
 
 def _once(key, msg, *args):
@@ -57,6 +69,13 @@ def _once(key, msg, *args):
 
 def _options_for(weight):
     """The patch options of the patched instance whose lm_head weight is ``weight``, else None."""
+    found = _patched_owner(weight)
+    return None if found is None else found[1]
+
+
+def _patched_owner(weight):
+    """``(model, options)`` of the patched instance whose lm_head weight is ``weight``, else
+    None."""
     from . import patch
     from .forward import STATE_ATTR
 
@@ -69,7 +88,7 @@ def _options_for(weight):
         except Exception:  # noqa: BLE001 - a model without a head is simply not ours
             continue
         if head is not None and getattr(head, "weight", None) is weight:
-            return state.options
+            return model, state.options
     if patch._PATCHED_CLASSES:
         _once("class", "fused_ce_patch: a class-level patch does not reach TRL's fused LM head; "
               "use apply_fused_ce(model) (or the Trainer flag) to have TRL compute with "
@@ -92,7 +111,8 @@ class _RoutedChunkedLogProb:
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
               final_logit_softcapping=None, logit_scale=1.0, outputs=None):
-        options = _options_for(weight)
+        found = _patched_owner(weight)
+        options = None if found is None else found[1]
         args = (hidden, weight, bias, targets, temperature, chunk_size,
                 final_logit_softcapping, logit_scale)
         if outputs is None:  # TRL's default asks for every field
@@ -113,6 +133,7 @@ class _RoutedChunkedLogProb:
             mean_logits="mean_logits" in outputs,
             log_sum_sq_probs="log_sum_sq_probs" in outputs,
             logits_budget=options.logits_budget, backend=options.backend,
+            grad_hint=_grad_hint(found[0]),
         )
         return (stats.log_probs.float(), _f32(stats.entropy), _f32(stats.log_sum_sq_probs),
                 _f32(stats.mean_logits), stats.is_top1)
@@ -128,7 +149,8 @@ def _make_routed_chunked_ce(original):
     def routed(hidden_states, lm_head_weight, chunk_size, labels=None, shift_labels=None,
                num_items_in_batch=None, logit_scale=1.0, final_logit_softcapping=None,
                lm_head_bias=None):
-        options = _options_for(lm_head_weight)
+        found = _patched_owner(lm_head_weight)
+        options = None if found is None else found[1]
         if options is None:
             return original(hidden_states, lm_head_weight, chunk_size, labels=labels,
                             shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
@@ -147,6 +169,7 @@ def _make_routed_chunked_ce(original):
             softcap=final_logit_softcapping, logit_scale=float(logit_scale),
             entropy=True, accuracy=True,
             logits_budget=options.logits_budget, backend=options.backend,
+            grad_hint=_grad_hint(found[0]),
         )
         n_valid = stats.mask.sum()
         total = -stats.log_probs.sum()

@@ -15,6 +15,8 @@ MODULES = (
     "fused_ce_patch.backends.triton.launch",
     "fused_ce_patch.backends.triton.chunked_path",
     "fused_ce_patch.backends.triton.zero_logits",
+    "fused_ce_patch.backends.triton.stats_kernels",
+    "fused_ce_patch.backends.triton.token_stats",
     "fused_ce_patch.backends.ascend.launch",
 )
 

@@ -1,0 +1,218 @@
+"""Per-token statistics on backend ``"triton"``: cuBLAS logits chunks and one Triton row kernel.
+
+The chunked path of the loss (:mod:`.chunked_path`), with the row kernel of
+:mod:`.stats_kernels` in place of the loss kernel. Per chunk of ``r`` counted rows::
+
+    forward:   x = h_c @ W.T (+ b)        [r, V], input dtype
+               stats(x)                   max, log sum exp, -log p_y, and the requested entropy, is_top1,
+                                          mean logit, log sum p^2 (float32 [r])
+    backward:  x = h_c @ W.T (+ b)        recomputed
+               grad(x) -> dx in place     dense part; target column to coef_r (float32)
+               dW += dx.T @ h_c ; db += dx.sum(0) ; dH[rows] = (dx + coef at y) @ W
+
+and at the end ``dW[y] += sum coef_r h_r``, as the loss's chunked path does (its helpers are
+reused, so dW and dH round exactly as the loss's do).
+
+The upstream gradients of ``log_probs`` are per position in general (GRPO advantages, DPO
+weights), so the gradient needs the backward's values: 4 matmuls per chunk. When the caller
+passes a :class:`~fused_ce_patch.token_stats.ForwardGradHint` that is on, the forward also forms the gradient for an
+upstream gradient of 1 on every ``log_prob`` and none on the entropy (3 matmuls, as the loss),
+betting that the backward receives one value ``c`` for every counted position — what a mean
+or sum of log-probabilities gives (SFT). The backward checks the bet with one host sync: if it
+holds, the forward's gradients times ``c`` are exact; if not, they are dropped, the
+gradient is recomputed as above, and the hint turns itself off so that later calls of the same
+caller go straight to the recompute schedule. float16 never bets
+(:func:`~fused_ce_patch.backends.chunked.forward_grad_safe`).
+"""
+
+from __future__ import annotations
+
+import logging
+import torch
+
+from ...errors import single_backward
+from ..chunked import forward_grad_safe
+from .chunked_path import _backprop_chunk, _Grads, _logits, _new_grads, plan_rows
+from .launch import row_kernel_config, row_offsets
+from .stats_kernels import token_stats_row_kernel
+
+logger = logging.getLogger(__name__)
+
+
+def rows_per_chunk(m: int, vocab: int, dtype: torch.dtype, budget: int) -> int:
+    """Counted rows a chunk of ``budget`` bytes of logits holds (0 when fewer than 1)."""
+    return budget // (vocab * torch.empty((), dtype=dtype).element_size())
+
+
+def _launch(z, labels, out, coef, *, stats, grad, extras, transform, g_lp=None, g_lp_value=0.0,
+            g_ent=None):
+    r, vocab = z.shape
+    if r == 0:
+        return
+    cfg = row_kernel_config(vocab, z.device)
+    mx, log_s, nll, ent, top1, mean, sq = out
+    dummy = mx
+    token_stats_row_kernel[(r,)](
+        z, z.stride(0), labels, mx, log_s, nll,
+        ent if ent is not None else dummy,
+        top1 if top1 is not None else dummy,
+        mean if mean is not None else dummy,
+        sq if sq is not None else dummy,
+        coef if coef is not None else dummy,
+        g_lp if g_lp is not None else dummy, float(g_lp_value),
+        g_ent if g_ent is not None else dummy,
+        vocab, float(transform.logit_scale), float(transform.softcap or 1.0),
+        float(transform.temperature),
+        HAS_SOFTCAP=transform.softcap is not None,
+        STATS=stats,
+        ENTROPY=stats and "entropy" in extras,
+        TOP1=stats and "is_top1" in extras,
+        MEAN=stats and "mean_logits" in extras,
+        SQ=stats and "log_sum_sq_probs" in extras,
+        GRAD=grad,
+        G_LP=0 if not grad else (2 if g_lp is not None else 1),
+        G_ENT=grad and g_ent is not None,
+        BLOCK_V=cfg.block_v, FIX_RNE=z.device.type == "cpu", NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+
+
+def _finish(grads: _Grads, hidden, labels, coef):
+    """Target part of dW/db (float32, one rounding per row of dW)."""
+    if grads.dw is not None or grads.db is not None:
+        from .launch import CUDA_LAUNCHERS
+
+        rows = torch.arange(labels.shape[0], device=labels.device)
+        CUDA_LAUNCHERS.target_dweight(grads.dw, grads.db, labels, coef, hidden,
+                                      row_offsets(hidden, rows))
+
+
+def _grad_pass(hidden, weight, bias, labels, out, rows, need, transform, extras, *,
+               g_lp=None, g_lp_value=0.0, g_ent=None):
+    """dH, dW, db for the upstream gradients given (recomputing each chunk's logits)."""
+    m = hidden.shape[0]
+    grads = _new_grads(hidden, weight, bias, need)
+    coef = torch.empty(m, dtype=torch.float32, device=hidden.device)
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        h, y = hidden[r0:r1], labels[r0:r1]
+        z = _logits(h, weight, bias)
+        part = tuple(None if t is None else t[r0:r1] for t in out)
+        _launch(z, y, part, coef[r0:r1], stats=False, grad=True, extras=extras,
+                transform=transform,
+                g_lp=None if g_lp is None else g_lp[r0:r1], g_lp_value=g_lp_value,
+                g_ent=None if g_ent is None else g_ent[r0:r1])
+        _backprop_chunk(z, h, None, y, coef[r0:r1], weight, grads, slice(r0, r1))
+        del z
+    _finish(grads, hidden, labels, coef)
+    return grads
+
+
+class TritonTokenStats(torch.autograd.Function):
+    """``apply(hidden [M, H], weight, bias, labels [M], transform, extras, rows, hint)`` →
+    ``(log_probs, entropy, is_top1, mean_logits, log_sum_sq_probs)``, each ``[M]`` or None
+    (as :class:`~fused_ce_patch.backends.token_stats.TokenStatsFunction`); every label is
+    counted. ``hint``: a :class:`~fused_ce_patch.token_stats.ForwardGradHint` or None."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, transform, extras, rows, hint):
+        m, dev = hidden.shape[0], hidden.device
+
+        def vec(name, dtype=torch.float32):
+            return torch.empty(m, dtype=dtype, device=dev) if name in extras else None
+
+        mx = torch.empty(m, dtype=torch.float32, device=dev)
+        log_s = torch.empty(m, dtype=torch.float32, device=dev)
+        nll = torch.empty(m, dtype=torch.float32, device=dev)
+        out = (mx, log_s, nll, vec("entropy"), vec("is_top1", torch.int8), vec("mean_logits"),
+               vec("log_sum_sq_probs"))
+        # (forward runs with grad mode off; needs_input_grad says what backward will need)
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                bias is not None and ctx.needs_input_grad[2])
+        eager = (any(need) and hint is not None and hint.on
+                 and forward_grad_safe(hidden.dtype))
+        grads = _new_grads(hidden, weight, bias, need) if eager else None
+        coef = torch.empty(m, dtype=torch.float32, device=dev) if eager else None
+        for r0 in range(0, m, rows):
+            r1 = min(m, r0 + rows)
+            h, y = hidden[r0:r1], labels[r0:r1]
+            z = _logits(h, weight, bias)
+            part = tuple(None if t is None else t[r0:r1] for t in out)
+            _launch(z, y, part, None if coef is None else coef[r0:r1], stats=True, grad=eager,
+                    extras=extras, transform=transform, g_lp_value=1.0)
+            if eager:
+                _backprop_chunk(z, h, None, y, coef[r0:r1], weight, grads, slice(r0, r1))
+            del z
+        if eager:
+            _finish(grads, hidden, labels, coef)
+        mx, log_s, nll, ent, top1, mean, sq = out
+        log_probs = -nll
+        is_top1 = None if top1 is None else top1.bool()
+        ctx.transform, ctx.extras, ctx.rows, ctx.hint = transform, extras, rows, hint
+        ctx.grads = grads
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, bias, labels, mx, log_s, nll, ent)
+        ctx.mark_non_differentiable(*(x for x in (is_top1, mean, sq) if x is not None))
+        return log_probs, ent, is_top1, mean, sq
+
+    @staticmethod
+    @single_backward
+    def backward(ctx, g_lp, g_ent, *_non_differentiable):
+        hidden, weight, bias, labels, mx, log_s, nll, ent = ctx.saved_tensors
+        grads, ctx.grads = ctx.grads, None
+        if g_lp is None and g_ent is None:
+            return (None,) * 8
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                bias is not None and ctx.needs_input_grad[2])
+        if grads is not None:
+            c = _uniform_value(g_lp) if g_ent is None else None
+            if c is not None:
+                for t in (grads.dh, grads.dw, grads.db):
+                    if t is not None and c != 1.0:
+                        t.mul_(c)
+                return _outputs(grads, need, bias)
+            del grads
+            if ctx.hint is not None and ctx.hint.on:
+                ctx.hint.on = False
+                logger.info("fused_ce_patch: the log-probabilities' upstream gradient differs "
+                            "between positions; this caller's token statistics now form "
+                            "their gradient in backward")
+        grads = _grad_pass(
+            hidden, weight, bias, labels, (mx, log_s, nll, ent, None, None, None),
+            ctx.rows, need, ctx.transform,
+            ctx.extras,
+            g_lp=None if g_lp is None else g_lp.float().contiguous(),
+            g_ent=None if g_ent is None else g_ent.float().contiguous())
+        return _outputs(grads, need, bias)
+
+
+def _uniform_value(g: torch.Tensor | None) -> float | None:
+    """The one finite value of every entry of ``g`` (0 when ``g`` is None), else None. One
+    host sync."""
+    if g is None:
+        return 0.0
+    if g.numel() == 0:
+        return 0.0
+    first = g[:1]
+    same = torch.all(g == first) & torch.isfinite(first).all()
+    return float(first.item()) if bool(same.item()) else None
+
+
+def _outputs(grads: _Grads, need, bias):
+    dh = grads.dh if need[0] else None
+    dw = grads.dw if need[1] else None
+    db = grads.db.to(bias.dtype) if (need[2] and grads.db is not None) else None
+    return dh, dw, db, None, None, None, None, None
+
+
+def token_stats_triton(hidden, weight, bias, labels, transform, extras, budget, hint=None):
+    """Run :class:`TritonTokenStats` on ``[M, H]`` counted rows with ``budget`` bytes of logits
+    per chunk; returns None when fewer than 16 rows (or all ``M``) fit, for the caller's
+    tiled fallback."""
+    m, vocab = hidden.shape[0], weight.shape[0]
+    rows_max = rows_per_chunk(m, vocab, hidden.dtype, budget)
+    if rows_max < min(16, max(m, 1)):
+        return None
+    rows = plan_rows(max(m, 1), rows_max)
+    return TritonTokenStats.apply(hidden, weight, bias, labels, transform, frozenset(extras),
+                                  rows, hint)
