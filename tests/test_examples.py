@@ -26,7 +26,7 @@ def run_example(name: str, *args: str) -> str:
 
 def test_every_example_is_tested():
     tested = {"trainer_flag.py", "peft_lora.py", "auto_model.py", "plain_pytorch_loop.py",
-              "trl_sft.py"}
+              "trl_sft.py", "liger_combo.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -56,3 +56,10 @@ def test_trl_sft():
     pytest.importorskip("trl")  # run by .ci/trl_matrix.sh, which installs TRL
     out = run_example("trl_sft.py", "--compare", "--seq-len", "32")
     assert "stock TRL (kernel calls 0)" in out
+
+
+def test_liger_combo():
+    pytest.importorskip("liger_kernel", reason="liger-kernel not installed (the test extra has it)")
+    out = run_example("liger_combo.py", "--steps", "1", "--seq-len", "16")
+    assert "step 1/1" in out and "relative difference" in out
+    assert "fused_linear_cross_entropy=False" in out  # the pitfall's error, printed

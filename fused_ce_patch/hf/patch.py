@@ -200,6 +200,9 @@ def spec_for_class(cls: type, model_type: str | None = None, *, check_verified: 
             f"forwards verified by the parity sweep are patched; supported model types: "
             f"{_supported_list()}"
         )
+    replaced = stock_forward_of(owner.__dict__.get("forward"))
+    if _is_liger(replaced):  # Liger's class-level lce_forward: its own fused loss
+        raise _liger_error(what, replaced, "on the class")
     try:
         spec = derive_spec(cls)
     except UnsupportedModelError as exc:
@@ -347,6 +350,9 @@ def apply_fused_ce(
 
     state = target.__dict__.get(STATE_ATTR)
     if state is not None:
+        current = target.__dict__.get(state.slot, _MISSING)
+        if _is_liger(current):  # Liger replaced our forward after apply_fused_ce
+            raise _liger_error(type(target).__name__, current, "on this instance")
         state.options = options
         logger.info("fused_ce_patch: %s already patched; options now %s",
                     type(target).__name__, _describe(options))
@@ -377,6 +383,8 @@ def apply_fused_ce(
         installed = previous
     else:
         installed = None if hooked else _rewrap_accelerate_amp(previous, patched, target)
+        if installed is None and _is_liger(previous):
+            raise _liger_error(type(target).__name__, previous, "on this instance")
         if installed is None:
             name, lib = _describe_forward(previous)
             raise UnsupportedModelError(
@@ -471,6 +479,25 @@ def _describe_forward(fn) -> tuple[str, str]:
         if module and not module.startswith(("functools", "fused_ce_patch")):
             return getattr(f, "__qualname__", type(f).__name__), module.split(".")[0]
     return getattr(func, "__qualname__", type(func).__name__), "another library"
+
+
+def _is_liger(fn) -> bool:
+    """True if ``fn`` (a forward, possibly bound or wrapped) is Liger-Kernel's."""
+    return fn is not _MISSING and fn is not None and _describe_forward(fn)[1] == "liger_kernel"
+
+
+def _liger_error(what: str, fn, where: str) -> UnsupportedModelError:
+    """Liger's ``fused_linear_cross_entropy=True`` replaces the causal LM's forward with its
+    own fused-loss forward: two fused losses cannot share one forward, and silently keeping
+    either would hide which one ran."""
+    name, _ = _describe_forward(fn)
+    fresh = " in a fresh process (its class patch has no undo)" if where == "on the class" else ""
+    return UnsupportedModelError(
+        f"fused_ce_patch cannot patch {what}: Liger-Kernel's fused_linear_cross_entropy "
+        f"replaced its forward {where} (liger_kernel's {name}). Apply Liger with "
+        f"fused_linear_cross_entropy=False{fresh}; its other kernels combine with "
+        f"fused_ce_patch."
+    )
 
 
 def _is_trl_head(fn) -> bool:
