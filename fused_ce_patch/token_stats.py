@@ -40,7 +40,9 @@ class ForwardGradHint:
     host sync, that its upstream gradient is indeed one value, and scales. If it is not (a
     per-token weight, an entropy term), that call recomputes its gradient exactly and
     :attr:`on` turns False, so later calls with this hint recompute directly. Results are
-    the same either way; only the time differs. float16 inputs always recompute.
+    equal in exact arithmetic (identical in float32; in bfloat16 the two roundings differ,
+    equally far from float64); only the time differs. float16 inputs always recompute, and
+    calls without grad mode never form a gradient.
 
     Attributes:
         on: whether the next forward forms the gradient (set False by a mismatch).

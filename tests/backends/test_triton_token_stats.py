@@ -239,3 +239,31 @@ def test_no_grad_and_all_ignored():
     out.log_probs.sum().backward()
     assert torch.all(hid.grad == 0)
     assert math.isfinite(float(w.grad.abs().sum()))
+
+
+def test_strided_labels():
+    # a label column of a wider tensor (stride 2) and an expanded label (stride 0)
+    g = torch.Generator().manual_seed(8)
+    h = torch.randn(8, 4, generator=g, requires_grad=True)
+    w = torch.randn(16, 4, generator=g, requires_grad=True)
+    for y in (torch.randint(0, 16, (8, 2), generator=g)[:, 0], torch.tensor(3).expand(8)):
+        out = fused_linear_token_stats(h, w, y, accuracy=True, backend="triton")
+        h64, w64 = _f64(h, w)
+        lp, _, top1 = _oracle(h64, w64, None, y)
+        assert rel(out.log_probs, lp) < 1e-6 and torch.equal(out.is_top1, top1)
+        got = torch.autograd.grad(out.log_probs.sum(), (h, w))
+        want = torch.autograd.grad(lp.sum(), (h64, w64))
+        assert all(rel(a, e) < 1e-5 for a, e in zip(got, want))
+
+
+def test_hint_without_grad_mode_forms_no_gradient(monkeypatch):
+    formed = []
+    real = triton_stats._backprop_chunk
+    monkeypatch.setattr(triton_stats, "_backprop_chunk",
+                        lambda *a, **k: (formed.append(1), real(*a, **k))[1])
+    hid, w, b, y = _inputs(seed=9)
+    hint = ForwardGradHint()
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            fused_linear_token_stats(hid, w, y, bias=b, backend="triton", grad_hint=hint)
+    assert formed == [] and hint.on

@@ -214,5 +214,8 @@ def token_stats_triton(hidden, weight, bias, labels, transform, extras, budget, 
     if rows_max < min(16, max(m, 1)):
         return None
     rows = plan_rows(max(m, 1), rows_max)
-    return TritonTokenStats.apply(hidden, weight, bias, labels, transform, frozenset(extras),
-                                  rows, hint)
+    if not torch.is_grad_enabled():
+        hint = None  # no backward will come: never form a gradient in forward
+    # the kernel reads one label per row at unit stride
+    return TritonTokenStats.apply(hidden, weight, bias, labels.contiguous(), transform,
+                                  frozenset(extras), rows, hint)
