@@ -49,6 +49,7 @@ sums, or moves the chunk boundaries of dW's bf16 accumulation).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -95,9 +96,9 @@ class ChunkedTuning:
     programs: float = 0.0
 
     def __post_init__(self):
-        if not (self.rows > 0 and self.rows == self.rows):
+        if not (0 < self.rows < math.inf):
             raise ValueError(f"{TUNING_ENV}: rows must be a positive factor, got {self.rows}")
-        if self.programs < 0:
+        if not (0 <= self.programs < math.inf):
             raise ValueError(f"{TUNING_ENV}: programs must be >= 0, got {self.programs}")
         for name in ("block_v", "warps"):
             v = getattr(self, name)
@@ -298,6 +299,20 @@ def _logit_chunks(cfg: ChunkedConfig, hidden, weight, bias, valid_rows, y_valid)
         yield (*chunk, _logits(chunk[3], weight, bias))
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(dev: torch.device):
+    """One side stream per device, kept: cuBLAS keeps a workspace per (handle, stream), so a
+    fresh stream per call (torch hands out a pool of 32 round-robin) would let up to 32
+    workspaces accumulate."""
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS.setdefault(index, torch.cuda.Stream(device=index))
+    return stream
+
+
 def _prefetched_logit_chunks(cfg: ChunkedConfig, hidden, weight, bias, valid_rows, y_valid):
     """Double-buffered logits: chunk ``i + 1``'s matmul is issued into the second of two
     ``[rows, V]`` buffers before chunk ``i`` is handed out, so that it runs while the caller's
@@ -315,7 +330,7 @@ def _prefetched_logit_chunks(cfg: ChunkedConfig, hidden, weight, bias, valid_row
     dev = hidden.device
     bufs = [torch.empty(min(cfg.rows, cfg.n_valid), weight.shape[0], dtype=hidden.dtype,
                         device=dev) for _ in range(2)]  # fmt: skip
-    side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+    side = _side_stream(dev) if dev.type == "cuda" else None
     main = torch.cuda.current_stream(dev) if side is not None else None
 
     def issue(k, chunk):
