@@ -88,15 +88,20 @@ class TritonBackend(Backend):
             budget = default_budget(problem.n_valid)
             # the chunk's copy of its hidden rows and its float32 ``dz @ W`` rows
             per_row += problem.hidden_size * (problem.hidden.element_size() + 4)
-        return run_paths(problem, budget // per_row)
+        from .chunked_path import tuning_from_env
+
+        return run_paths(problem, budget // per_row, tuning=tuning_from_env())
 
 
-def run_paths(problem: Problem, rows_max: int, launchers=None) -> torch.Tensor:
+def run_paths(problem: Problem, rows_max: int, launchers=None, tuning=None) -> torch.Tensor:
     """Run a 16/32-bit ``problem`` on the chunked path, at most ``rows_max`` counted rows a
     chunk in chunks of (nearly) equal size, or on the zero-logits path when fewer than
     :data:`MIN_CHUNK_ROWS` whole rows fit (or all rows, if fewer; ``rows_max`` is 0 for
     ``logits_budget=0``). The drivers launch their kernels through ``launchers``
     (:class:`~.launch.Launchers`; None: the CUDA kernels). Shared with backend ``"ascend"``.
+    ``tuning``: schedule variants of the chunked path
+    (:class:`~.chunked_path.ChunkedTuning`, None: the default schedule); they scale the rows
+    per chunk after the path is chosen, and row-kernel settings need the CUDA launchers.
     """
     hidden, weight, bias = problem.hidden, problem.weight, problem.bias
     grad_on = torch.is_grad_enabled()
@@ -109,8 +114,23 @@ def run_paths(problem: Problem, rows_max: int, launchers=None) -> torch.Tensor:
         from .launch import CUDA_LAUNCHERS as launchers
     if rows_max >= min(MIN_CHUNK_ROWS, max(problem.n_valid, 1)):
         from ..chunked import forward_grad_safe
-        from .chunked_path import ChunkedConfig, TritonChunkedLinearCrossEntropy, plan_rows
+        from .chunked_path import (
+            ChunkedConfig,
+            ChunkedTuning,
+            TritonChunkedLinearCrossEntropy,
+            plan_rows,
+        )
 
+        if tuning is None:
+            tuning = ChunkedTuning()
+        if tuning.tunes_row_kernel:
+            from .launch import CudaLaunchers, TunedRowLaunchers
+
+            if type(launchers) is not CudaLaunchers:
+                raise ValueError("row-kernel tuning applies to the CUDA launchers only")
+            launchers = TunedRowLaunchers(tuning)
+        if tuning.rows_factor != 1.0:
+            rows_max = max(1, int(rows_max * tuning.rows_factor))
         cfg = ChunkedConfig(
             spec=problem.spec,
             reduction=problem.reduction,
@@ -121,6 +141,7 @@ def run_paths(problem: Problem, rows_max: int, launchers=None) -> torch.Tensor:
             eager=problem.reduction == "sum" and any(need) and forward_grad_safe(hidden.dtype),
             need=need,
             launchers=launchers,
+            tuning=tuning,
         )
         return TritonChunkedLinearCrossEntropy.apply(
             hidden, weight, bias, problem.labels, problem.valid_rows, cfg

@@ -35,10 +35,22 @@ reason): see :func:`fused_ce_patch.backends.chunked.forward_grad_safe`.
 
 Precision choices are passed to the matmuls (:func:`_mm_fp32`); no process-wide torch flag
 is read or set.
+
+Schedule variants for measurement (issue 14; :class:`ChunkedTuning`, internal, default off):
+the logits of chunk ``i + 1`` formed on a second CUDA stream into a second buffer while chunk
+``i``'s kernel and matmuls run (``overlap``), dH's matmul before dW's (``dh_first``), a
+factor on the rows per chunk (``rows``) and the row kernel's launch (``block_v``, ``warps``,
+``stages``, ``programs``). Backend ``"triton"`` reads them from the environment variable
+:data:`TUNING_ENV` (:func:`tuning_from_env`); each computes the same operations with the same
+roundings as the default schedule (a different ``block_v`` or ``rows`` only reorders float32
+sums, or moves the chunk boundaries of dW's bf16 accumulation).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +58,109 @@ import torch
 from ...errors import single_backward
 from ..base import LossSpec
 from ..chunked import RowSource
-from .launch import CUDA_LAUNCHERS, Launchers, row_offsets
+from .launch import CUDA_LAUNCHERS, Launchers, RowKernelConfig, _pow2, row_offsets
+
+#: Internal environment variable with schedule variants of the chunked path, for measurements
+#: (issue 14); read by backend ``"triton"`` on each call. Syntax: comma-separated items,
+#: ``overlap``, ``dh_first`` (flags; ``=0``/``=1`` also taken), ``rows=<factor>``,
+#: ``block_v=<pow2>``, ``warps=<pow2>``, ``stages=<int>``, ``programs=<per SM>``; see
+#: :class:`ChunkedTuning`. Unset or empty: the default schedule.
+TUNING_ENV = "FUSED_CE_CHUNKED_TUNING"
+
+
+@dataclass(frozen=True)
+class ChunkedTuning:
+    """Schedule variants of the chunked path (all off by default; issue 14 measures them).
+
+    Attributes:
+        overlap: form the logits of the next chunk into a second ``[rows, V]`` buffer while
+            the current chunk's row kernel and matmuls run: on a second CUDA stream for CUDA
+            tensors (event-ordered with the current stream); elsewhere the same double-buffered
+            order on one stream (so the interpreter tests the buffer handling). Rows per chunk
+            are halved so the two buffers take the memory of one (``rows`` applies on top).
+        dh_first: dH's matmul before dW's addmm (the target column is written into the
+            chunk for dH and zeroed again before dW; the same products and roundings).
+        rows: factor on the rows per chunk that the budget allows (memory grows with it).
+        block_v, warps, stages: launch of the row kernel (CUDA launchers only; None: the
+            defaults of :func:`~.launch.row_kernel_config`).
+        programs: row kernel as a persistent grid of ``programs`` x SM-count programs, each
+            looping over rows (0: one program per row).
+    """
+
+    overlap: bool = False
+    dh_first: bool = False
+    rows: float = 1.0
+    block_v: int | None = None
+    warps: int | None = None
+    stages: int | None = None
+    programs: float = 0.0
+
+    def __post_init__(self):
+        if not (0 < self.rows < math.inf):
+            raise ValueError(f"{TUNING_ENV}: rows must be a positive factor, got {self.rows}")
+        if not (0 <= self.programs < math.inf):
+            raise ValueError(f"{TUNING_ENV}: programs must be >= 0, got {self.programs}")
+        for name in ("block_v", "warps"):
+            v = getattr(self, name)
+            if v is not None and (v < 1 or v & (v - 1)):
+                raise ValueError(f"{TUNING_ENV}: {name} must be a power of two, got {v}")
+        if self.stages is not None and self.stages < 1:
+            raise ValueError(f"{TUNING_ENV}: stages must be >= 1, got {self.stages}")
+
+    @property
+    def rows_factor(self) -> float:
+        """Factor on the budget's rows per chunk (``overlap`` halves them)."""
+        return self.rows * (0.5 if self.overlap else 1.0)
+
+    @property
+    def tunes_row_kernel(self) -> bool:
+        return (self.block_v, self.warps, self.stages) != (None, None, None) or self.programs > 0
+
+    def row_config(self, default: RowKernelConfig, vocab: int) -> RowKernelConfig:
+        """``default`` with the fields this tuning sets (``block_v`` at most ``pow2(V)``)."""
+        return RowKernelConfig(
+            block_v=default.block_v if self.block_v is None else min(self.block_v, _pow2(vocab)),
+            num_warps=default.num_warps if self.warps is None else self.warps,
+            num_stages=default.num_stages if self.stages is None else self.stages,
+        )
+
+
+_FLAGS = ("overlap", "dh_first")
+_NUMBERS = {"rows": float, "block_v": int, "warps": int, "stages": int, "programs": float}
+
+
+@functools.lru_cache(maxsize=32)
+def parse_tuning(text: str) -> ChunkedTuning:
+    """:class:`ChunkedTuning` from the syntax of :data:`TUNING_ENV`.
+
+    Raises:
+        ValueError: an unknown key, a missing or malformed value, or a value out of range.
+    """
+    kw = {}
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        key, eq, value = (s.strip() for s in item.partition("="))
+        if key in _FLAGS:
+            if eq and value not in ("0", "1"):
+                raise ValueError(f"{TUNING_ENV}: {key} takes 0 or 1, got {value!r}")
+            kw[key] = value != "0"
+        elif key in _NUMBERS:
+            if not eq:
+                raise ValueError(f"{TUNING_ENV}: {key} needs a value ({key}=...)")
+            try:
+                kw[key] = _NUMBERS[key](value)
+            except ValueError:
+                raise ValueError(f"{TUNING_ENV}: {key}={value!r} is not a number") from None
+        else:
+            known = ", ".join((*_FLAGS, *_NUMBERS))
+            raise ValueError(f"{TUNING_ENV}: unknown item {key!r} (known: {known})")
+    return ChunkedTuning(**kw)
+
+
+def tuning_from_env() -> ChunkedTuning:
+    """The variants named in :data:`TUNING_ENV` (the defaults when unset)."""
+    return parse_tuning(os.environ.get(TUNING_ENV, ""))
 
 
 @dataclass
@@ -61,6 +175,7 @@ class ChunkedConfig:
     eager: bool
     need: tuple[bool, bool, bool]
     launchers: Launchers = CUDA_LAUNCHERS
+    tuning: ChunkedTuning = ChunkedTuning()
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -116,22 +231,41 @@ def _logits(h, weight, bias):
     return torch.addmm(bias, h, weight.t())
 
 
-def _backprop_chunk(dz, h, idx, y, coef, weight, grads: _Grads, rows: slice | None):
+def _logits_into(z, h, weight, bias):
+    """:func:`_logits` written into ``z`` (the same matmul, with ``out=``)."""
+    if bias is None:
+        torch.mm(h, weight.t(), out=z)
+    else:
+        torch.addmm(bias, h, weight.t(), out=z)
+
+
+def _backprop_chunk(dz, h, idx, y, coef, weight, grads: _Grads, rows: slice | None,
+                    dh_first: bool = False):  # fmt: skip
     """Add one chunk's gradient into dH, dW, db. ``dz`` holds the dense part (0 in each row's
     target column); dW and db take it as is (their target part comes later, in float32),
     then the target column is written into ``dz`` so that one matmul forms dH (rounded
-    once). ``rows`` is the chunk's slice of dH when its rows are contiguous."""
+    once). ``rows`` is the chunk's slice of dH when its rows are contiguous. ``dh_first``
+    (:class:`ChunkedTuning`): dH first, then the target column is zeroed again (the value the
+    row kernel wrote there) before dW and db read ``dz``: the same products either way."""
+    if grads.dh is not None and dh_first:
+        _dhidden_chunk(dz, idx, y, coef, weight, grads, rows)
+        dz.scatter_(1, y.unsqueeze(1), 0.0)
     if grads.dw is not None:
         grads.dw.addmm_(dz.t(), h)
     if grads.db is not None:
         grads.db += dz.sum(0, dtype=torch.float32)
-    if grads.dh is not None:
-        dz.scatter_(1, y.unsqueeze(1), coef.unsqueeze(1).to(dz.dtype))
-        part = _mm_fp32(dz, weight)
-        if rows is not None:
-            grads.dh[rows].copy_(part)
-        else:
-            grads.dh.index_copy_(0, idx, part.to(grads.dh.dtype))
+    if grads.dh is not None and not dh_first:
+        _dhidden_chunk(dz, idx, y, coef, weight, grads, rows)
+
+
+def _dhidden_chunk(dz, idx, y, coef, weight, grads: _Grads, rows: slice | None):
+    """``dH[rows] = (dz + target column) @ W``, the target column written into ``dz``."""
+    dz.scatter_(1, y.unsqueeze(1), coef.unsqueeze(1).to(dz.dtype))
+    part = _mm_fp32(dz, weight)
+    if rows is not None:
+        grads.dh[rows].copy_(part)
+    else:
+        grads.dh.index_copy_(0, idx, part.to(grads.dh.dtype))
 
 
 def _finish(cfg: ChunkedConfig, grads: _Grads, hidden, valid_rows, y_valid, coef):
@@ -154,6 +288,85 @@ def _chunks(cfg: ChunkedConfig, hidden, valid_rows, y_valid):
         yield start, stop, idx, h, y_valid[start:stop], slice(start, stop) if dense else None
 
 
+def _logit_chunks(cfg: ChunkedConfig, hidden, weight, bias, valid_rows, y_valid):
+    """:func:`_chunks` with each chunk's logits ``z`` ``[r, V]`` appended, which the caller
+    may overwrite until it asks for the next chunk. Serial by default: ``z`` is formed when the
+    chunk is handed out. With ``cfg.tuning.overlap``: :func:`_prefetched_logit_chunks`."""
+    if cfg.tuning.overlap:
+        yield from _prefetched_logit_chunks(cfg, hidden, weight, bias, valid_rows, y_valid)
+        return
+    for chunk in _chunks(cfg, hidden, valid_rows, y_valid):
+        yield (*chunk, _logits(chunk[3], weight, bias))
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(dev: torch.device):
+    """One side stream per device, kept: cuBLAS keeps a workspace per (handle, stream), so a
+    fresh stream per call (torch hands out a pool of 32 round-robin) would let up to 32
+    workspaces accumulate."""
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS.setdefault(index, torch.cuda.Stream(device=index))
+    return stream
+
+
+def _prefetched_logit_chunks(cfg: ChunkedConfig, hidden, weight, bias, valid_rows, y_valid):
+    """Double-buffered logits: chunk ``i + 1``'s matmul is issued into the second of two
+    ``[rows, V]`` buffers before chunk ``i`` is handed out, so that it runs while the caller's
+    kernel and matmuls on chunk ``i`` run.
+
+    CUDA: the matmul runs on a side stream. Order, per chunk: the side stream waits for
+    everything issued so far on the current stream (chunk ``i - 1``'s consumers, the last
+    readers of the buffer it overwrites, and the gather of its hidden rows), computes, records
+    an event; the current stream waits for that event before the chunk is handed out. The
+    buffers and gathered rows are marked as used by the side stream (``record_stream``) so the
+    caching allocator never hands their memory to another stream early, and on exit (normal
+    or not) the current stream waits for the side stream. Elsewhere (the interpreter) the same
+    order runs on one stream, which still checks that no chunk overwrites a buffer in use.
+    """
+    dev = hidden.device
+    bufs = [torch.empty(min(cfg.rows, cfg.n_valid), weight.shape[0], dtype=hidden.dtype,
+                        device=dev) for _ in range(2)]  # fmt: skip
+    side = _side_stream(dev) if dev.type == "cuda" else None
+    main = torch.cuda.current_stream(dev) if side is not None else None
+
+    def issue(k, chunk):
+        z = bufs[k % 2][: chunk[1] - chunk[0]]
+        if side is None:
+            _logits_into(z, chunk[3], weight, bias)
+            return (*chunk, z), None
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            _logits_into(z, chunk[3], weight, bias)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        chunk[3].record_stream(side)
+        return (*chunk, z), ready
+
+    if side is not None:
+        for b in bufs:
+            b.record_stream(side)
+    chunks = iter(_chunks(cfg, hidden, valid_rows, y_valid))
+    first = next(chunks, None)
+    pending = issue(0, first) if first is not None else None
+    k = 0
+    try:
+        while pending is not None:
+            item, ready = pending
+            if ready is not None:
+                main.wait_event(ready)
+            nxt = next(chunks, None)
+            pending = issue(k + 1, nxt) if nxt is not None else None
+            yield item
+            k += 1
+    finally:
+        if side is not None:
+            main.wait_stream(side)
+
+
 def _eager_pass(cfg: ChunkedConfig, hidden, weight, bias, valid_rows, y_valid, need):
     """Loss, LSE and ``cfg.scale * gradients`` of every counted row in one pass over chunks."""
     m, dev = cfg.n_valid, hidden.device
@@ -162,13 +375,14 @@ def _eager_pass(cfg: ChunkedConfig, hidden, weight, bias, valid_rows, y_valid, n
     nll_v = torch.empty(m, dtype=torch.float32, device=dev)
     coef_v = torch.empty(m, dtype=torch.float32, device=dev)
     grads = _new_grads(hidden, weight, bias, need)
-    for start, stop, idx, h, y, rows in _chunks(cfg, hidden, valid_rows, y_valid):
-        z = _logits(h, weight, bias)
+    for start, stop, idx, h, y, rows, z in _logit_chunks(cfg, hidden, weight, bias, valid_rows,
+                                                         y_valid):  # fmt: skip
         cfg.launchers.logits_grad(
             z, y, lse_v[start:stop], nll_v[start:stop], loss_v[start:stop],
             coef_v[start:stop], cfg.scale, cfg.spec, compute_lse=True, write_grad=True,
         )
-        _backprop_chunk(z, h, idx, y, coef_v[start:stop], weight, grads, rows)
+        _backprop_chunk(z, h, idx, y, coef_v[start:stop], weight, grads, rows,
+                        cfg.tuning.dh_first)  # fmt: skip
         del z, h
     _finish(cfg, grads, hidden, valid_rows, y_valid, coef_v)
     return loss_v, lse_v, nll_v, grads
@@ -180,8 +394,8 @@ def _stats_pass(cfg: ChunkedConfig, hidden, weight, bias, valid_rows, y_valid):
     loss_v = torch.empty(m, dtype=torch.float32, device=dev)
     lse_v = torch.empty(m, dtype=torch.float32, device=dev)
     nll_v = torch.empty(m, dtype=torch.float32, device=dev)
-    for start, stop, _, h, y, _ in _chunks(cfg, hidden, valid_rows, y_valid):
-        z = _logits(h, weight, bias)
+    for start, stop, _, h, y, _, z in _logit_chunks(cfg, hidden, weight, bias, valid_rows,
+                                                    y_valid):  # fmt: skip
         cfg.launchers.logits_grad(
             z, y, lse_v[start:stop], nll_v[start:stop], loss_v[start:stop], None, 1.0,
             cfg.spec, compute_lse=True, write_grad=False,
@@ -195,14 +409,15 @@ def _recompute_pass(cfg: ChunkedConfig, hidden, weight, bias, valid_rows, y_vali
     """Gradients from the saved LSE; ``scale`` is a 0-d tensor or ``[N]`` per-row weights."""
     grads = _new_grads(hidden, weight, bias, need)
     coef_v = torch.empty(cfg.n_valid, dtype=torch.float32, device=hidden.device)
-    for start, stop, idx, h, y, rows in _chunks(cfg, hidden, valid_rows, y_valid):
-        z = _logits(h, weight, bias)
+    for start, stop, idx, h, y, rows, z in _logit_chunks(cfg, hidden, weight, bias, valid_rows,
+                                                         y_valid):  # fmt: skip
         s = scale.index_select(0, idx) if scale.dim() == 1 else scale
         cfg.launchers.logits_grad(
             z, y, lse_v[start:stop], nll_v[start:stop], None, coef_v[start:stop], s,
             cfg.spec, compute_lse=False, write_grad=True,
         )
-        _backprop_chunk(z, h, idx, y, coef_v[start:stop], weight, grads, rows)
+        _backprop_chunk(z, h, idx, y, coef_v[start:stop], weight, grads, rows,
+                        cfg.tuning.dh_first)  # fmt: skip
         del z, h
     _finish(cfg, grads, hidden, valid_rows, y_valid, coef_v)
     return grads

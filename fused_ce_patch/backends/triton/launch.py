@@ -294,13 +294,17 @@ class CudaLaunchers:
         r, vocab = z.shape
         if r == 0:
             return
-        cfg = row_kernel_config(vocab, z.device)
+        cfg, programs = self._row_launch(vocab, z.device)
         launch_logits_grad(
-            (r,), z, labels, lse, nll, loss, coef, scale, spec,
-            compute_lse=compute_lse, write_grad=write_grad,
+            (min(r, programs) if programs else r,), z, labels, lse, nll, loss, coef, scale,
+            spec, compute_lse=compute_lse, write_grad=write_grad,
             BLOCK_V=cfg.block_v, FIX_RNE=z.device.type == "cpu", NUM_STAGES=cfg.num_stages,
-            LANE_SUMS=True, PERSISTENT=False, num_warps=cfg.num_warps,
+            LANE_SUMS=True, PERSISTENT=bool(programs), num_warps=cfg.num_warps,
         )  # fmt: skip
+
+    def _row_launch(self, vocab: int, device: torch.device) -> tuple[RowKernelConfig, int]:
+        """The row kernel's settings and its number of programs (0: one per row)."""
+        return row_kernel_config(vocab, device), 0
 
     def dhidden_rows(self, dh, out_rows, *, part=None, coef=None, labels=None, weight=None,
                      accumulate=False):  # fmt: skip
@@ -392,3 +396,21 @@ class CudaLaunchers:
 
 #: The default launchers of both drivers.
 CUDA_LAUNCHERS = CudaLaunchers()
+
+
+@dataclass(frozen=True)
+class TunedRowLaunchers(CudaLaunchers):
+    """:class:`CudaLaunchers` with the row kernel launched as a
+    :class:`~.chunked_path.ChunkedTuning` says (issue 14 measurements; not a default):
+    ``block_v`` / ``warps`` / ``stages`` overrides, and with ``programs > 0`` a persistent grid
+    of ``programs`` x SM-count programs looping over rows (at most one per row). The kernel
+    computes each row the same way in both grids."""
+
+    tuning: Any
+
+    def _row_launch(self, vocab, device):
+        cfg = self.tuning.row_config(row_kernel_config(vocab, device), vocab)
+        programs = 0
+        if self.tuning.programs > 0:
+            programs = max(1, round(self.tuning.programs * num_sms(device)))
+        return cfg, programs
