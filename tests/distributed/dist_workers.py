@@ -1,4 +1,6 @@
-"""Worker side of the CPU/gloo distributed tests (spawned by test_distributed.py).
+"""Worker side of the distributed tests (spawned by test_distributed.py): CPU processes and
+gloo by default; one GPU per process and NCCL with ``FUSED_CE_DIST_DEVICE=cuda`` (needs
+``WORLD`` GPUs; DeepSpeed then runs on its CUDA accelerator instead of ``DS_ACCELERATOR=cpu``).
 
 Each worker builds the same tiny Llama (seed 0), patches it with the fused loss (``torch``
 backend, spied), wraps it in one distributed mode, runs one forward/backward on its half of a
@@ -17,6 +19,13 @@ import torch.distributed as dist
 from torch import nn
 
 VOCAB, HIDDEN, BATCH, SEQ, WORLD, LORA_RANK = 211, 32, 4, 9, 2, 4
+#: Where the workers run: "cpu" (gloo, the default) or "cuda" (NCCL, GPU ``rank`` each). Models
+#: are built (and PEFT-wrapped) on the CPU with the same seeds as the single-process reference,
+#: then moved, so both see the same weights; results are saved on the CPU.
+DEVICE = os.environ.get("FUSED_CE_DIST_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"FUSED_CE_DIST_DEVICE must be 'cpu' or 'cuda', not {DEVICE!r}")
+CUDA = DEVICE == "cuda"
 MODES = ("ddp", "fsdp2_root", "fsdp2_head", "fsdp2_tied", "fsdp1_head", "fsdp2_lora_head",
          "fsdp2_head_late", "fsdp1_head_late")
 #: Through accelerate's Accelerator, a plain prepare/backward loop (FSDP: see accelerate_prepare).
@@ -70,6 +79,11 @@ def batch():
     return ids, ids.clone()  # no ignored label: both halves count the same number of tokens
 
 
+def device() -> torch.device:
+    """This worker's device: its GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if CUDA else torch.device("cpu")
+
+
 def clean(name: str) -> str:
     for junk in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module."):
         name = name.replace(junk, "")
@@ -100,12 +114,13 @@ def wrap(model, mode):
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     if mode == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
+        return nn.parallel.DistributedDataParallel(
+            model, device_ids=[torch.cuda.current_device()] if CUDA else None)
     if mode.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
         causal_lm = model.get_base_model() if "lora" in mode else model
         for layer in causal_lm.model.layers:
             fully_shard(layer, mesh=mesh)
@@ -127,16 +142,15 @@ def wrap(model, mode):
             lambda_auto_wrap_policy,
             lambda_fn=lambda m: m is head or isinstance(m, LlamaDecoderLayer),
         )
-        return FSDP(model, auto_wrap_policy=policy, use_orig_params=True,
-                    device_id=torch.device("cpu"))
+        return FSDP(model, auto_wrap_policy=policy, use_orig_params=True, device_id=device())
     raise ValueError(mode)
 
 
 def accelerate_prepare(model, mode):
     """``accelerator.prepare`` for ``mode``; returns (model, accelerator).
 
-    FSDP through accelerate cannot run here: accelerate 1.15 turns its FSDP plugin on only for
-    multi-accelerator runs; on CPU processes it prepares plain DDP instead (checked below).
+    FSDP through accelerate cannot run on CPU processes: accelerate 1.15 turns its FSDP plugin on
+    only for multi-accelerator runs, and prepares plain DDP instead (checked below).
     """
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -154,8 +168,8 @@ def accelerate_prepare(model, mode):
             ds_plugin.deepspeed_config["zero_optimization"].update(ZERO3)
     # cpu=True would make accelerate drop a DeepSpeed plugin (plain DDP instead); without an
     # accelerator DeepSpeed runs on the CPU anyway (DS_ACCELERATOR=cpu).
-    acc = Accelerator(cpu=ds_plugin is None, deepspeed_plugin=ds_plugin)
-    expected = "DEEPSPEED" if ds_plugin is not None else "MULTI_CPU"
+    acc = Accelerator(cpu=ds_plugin is None and not CUDA, deepspeed_plugin=ds_plugin)
+    expected = "DEEPSPEED" if ds_plugin is not None else ("MULTI_GPU" if CUDA else "MULTI_CPU")
     assert acc.distributed_type.name == expected, acc.distributed_type
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     model, _ = acc.prepare(model, opt)
@@ -189,13 +203,13 @@ def full_grads(model, mode):
         from deepspeed.utils import safe_get_full_grad
 
         module = model.module
-        return {clean(n): safe_get_full_grad(p).detach().clone()
+        return {clean(n): safe_get_full_grad(p).detach().cpu()
                 for n, p in module.named_parameters()}
     if "fsdp1" in mode:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         with FSDP.summon_full_params(model, with_grads=True):
-            return {clean(n): p.grad.detach().clone() for n, p in model.named_parameters()}
+            return {clean(n): p.grad.detach().cpu() for n, p in model.named_parameters()}
     out = {}
     for n, p in model.named_parameters():
         g = p.grad
@@ -203,7 +217,7 @@ def full_grads(model, mode):
             continue
         if hasattr(g, "full_tensor"):
             g = g.full_tensor()
-        out[clean(n)] = g.detach().clone()
+        out[clean(n)] = g.detach().cpu()
     return out
 
 
@@ -224,18 +238,18 @@ def run_trainer(rank, world, mode, out_dir):
         per_device_train_batch_size=BATCH // world, max_steps=1, learning_rate=TRAINER_LR,
         optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
         logging_steps=1, report_to=[], save_strategy="no", seed=0, dataloader_num_workers=0,
-        use_cpu=True,
+        use_cpu=not CUDA,
     )
     trainer = Trainer(model=model, args=args, train_dataset=rows,
                       callbacks=[FusedCECallback()])
-    assert trainer.accelerator.distributed_type.name == "MULTI_CPU"
+    assert trainer.accelerator.distributed_type.name == ("MULTI_GPU" if CUDA else "MULTI_CPU")
     spy = BackendSpy()
     try:
         result = trainer.train()
     finally:
         spy.close()
     head_unit = head_kind(trainer.model_wrapped)
-    after = {clean(n): p.detach() for n, p in trainer.model.named_parameters()}
+    after = {clean(n): p.detach().cpu() for n, p in trainer.model.named_parameters()}
     grads = {n: (before[n] - after[n]) / TRAINER_LR for n in before}
     if rank == 0:
         torch.save({"loss": torch.tensor(result.training_loss), "grads": grads,
@@ -249,7 +263,7 @@ def run_mode(rank, world, mode, out_dir):
         return run_trainer(rank, world, mode, out_dir)
     from fused_ce_patch import apply_fused_ce
 
-    model = build_for(mode)
+    model = build_for(mode).to(device())
     name, late = mode, mode.endswith("_late")  # late: patch after wrapping (hooks in place)
     mode = mode.removesuffix("_late")
     if not late:
@@ -268,7 +282,7 @@ def run_mode(rank, world, mode, out_dir):
     if late:
         apply_fused_ce(model, backend="torch")
     head_unit = head_kind(model)
-    ids, labels = batch()
+    ids, labels = (t.to(device()) for t in batch())
     half = BATCH // world
     rows = slice(rank * half, (rank + 1) * half)
     # torch-native wrappers run the step twice (gradients cleared in between): the second
@@ -285,7 +299,7 @@ def run_mode(rank, world, mode, out_dir):
         spy.close()
     loss = out.loss.detach().clone()
     dist.all_reduce(loss)
-    loss /= world
+    loss = loss.cpu() / world
     grads = full_grads(model, mode)
     if rank == 0:
         torch.save({"loss": loss, "grads": grads, "spy": spy.shapes, "head_unit": head_unit,
@@ -295,8 +309,11 @@ def run_mode(rank, world, mode, out_dir):
 
 def worker(rank, world, init_file, modes, out_dir):
     torch.set_num_threads(1)
+    if CUDA:
+        torch.cuda.set_device(rank)
     if any("zero" in m for m in modes):
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if not CUDA:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         # deepspeed.zero.Init-style Tensor patches must not meet a first torch._dynamo import.
         importlib.import_module("torch._dynamo")
     # What torch.distributed.run exports; accelerate reads these (the group is made below).
@@ -304,7 +321,7 @@ def worker(rank, world, init_file, modes, out_dir):
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     import datetime
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+    dist.init_process_group("nccl" if CUDA else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         for mode in modes:

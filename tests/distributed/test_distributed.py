@@ -1,4 +1,5 @@
-"""Distributed modes on CPU with 2 processes and gloo: the patched model's loss and gathered
+"""Distributed modes on CPU with 2 processes and gloo (on 2 GPUs with NCCL when
+``FUSED_CE_DIST_DEVICE=cuda``; the reference stays one CPU process): the patched model's loss and gathered
 gradients after one step (the last of two for torch-native wrappers) equal one process running
 the stock (unpatched) model on the whole batch, a spy shows the fused kernel ran once per step
 on the full weight, and heads meant to be their own shard unit really were.
@@ -19,10 +20,17 @@ import dist_workers as w
 
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="needs torch.distributed with gloo",
-)
+if w.CUDA:
+    pytestmark = pytest.mark.skipif(
+        not torch.distributed.is_available() or not torch.distributed.is_nccl_available()
+        or torch.cuda.device_count() < w.WORLD,
+        reason=f"FUSED_CE_DIST_DEVICE=cuda needs torch.distributed with NCCL and {w.WORLD} GPUs",
+    )
+else:
+    pytestmark = pytest.mark.skipif(
+        not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+        reason="needs torch.distributed with gloo",
+    )
 
 
 def spawn(tmp_path_factory, modes):
