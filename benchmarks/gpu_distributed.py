@@ -87,11 +87,16 @@ def main():
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--group-timeout", type=float, default=200.0,
                    help="seconds one torchrun group may take before it is killed")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for all groups (default 280, --tiny 1800); a group that would start with less than 20 s "
+                        "left is skipped, so the table is still written")
     p.add_argument("--tiny", action="store_true", help="CPU/gloo dry run (see the docstring)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # plan file of a group
     args = p.parse_args()
     if args.tiny:
         args.seq, args.steps, args.warmup = 64, 2, 1
+    if args.budget is None:
+        args.budget = 1800.0 if args.tiny else 280.0
     if args.worker:
         return worker(args)
     return parent(args)
@@ -129,9 +134,14 @@ def parent(args):
     env = environment(torch, args)
     print(json.dumps(env), flush=True)
     rows = []
+    deadline = time.time() + args.budget
     try:
         for name, runs in groups(args).items():
-            rows += launch(name, runs, args, scratch)
+            left = deadline - time.time()
+            if left < 20:
+                rows += [{**r, "error": "skipped: out of the time budget"} for r in runs]
+                continue
+            rows += launch(name, runs, args, scratch, min(args.group_timeout, left))
         compare(torch, rows, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -161,7 +171,7 @@ def environment(torch, args):
     return env
 
 
-def launch(name, runs, args, scratch):
+def launch(name, runs, args, scratch, timeout):
     """One torchrun with 2 processes for ``runs``; returns their rows (errors included)."""
     plan = os.path.join(scratch, f"{name}.plan.json")
     results = os.path.join(scratch, f"{name}.jsonl")
@@ -185,7 +195,7 @@ def launch(name, runs, args, scratch):
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # its own group: killed as a whole
         try:
-            rc = proc.wait(timeout=args.group_timeout)
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -448,6 +458,13 @@ def one_run(torch, dist, run, args, device, scratch):
     rank, world = dist.get_rank(), dist.get_world_size()
     base = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     model = build(torch, run["model"], args, device)
+    # FSDP2 and ZeRO-3 shard each rank's own copy: the seeded weights must agree across ranks.
+    probe = torch.stack([p.detach().double().sum() for p in model.parameters()])
+    low, high = probe.clone(), probe.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if not torch.equal(low, high):
+        raise RuntimeError("seeded weights differ across ranks")
     patch(model, run["model"], run["variant"], args)
     model, opt, acc, engine = prepare(torch, model, run, args, device)
     unit = head_unit(model)
