@@ -29,8 +29,9 @@ Reported per run: loss of step 1, relative difference to the stock run's loss of
 (model, mode), ``|g - g_stock| / |g_stock|`` of the gathered head gradient (tied heads: the
 embedding's gradient, which includes the head's), step ms (median over the timed steps, max over
 ranks), peak GiB (max over ranks), memory still allocated when the run started (leak check:
-runs of one group share a process), and how the head was sharded. Checks: loss within 4e-3
-relative (one bf16 epsilon), gradient within 1e-2.
+runs of one group share a process), and how the head was sharded. Checks: loss within 2^-7
+relative (one bf16 spacing: under FSDP2, accelerate's ``MixedPrecisionPolicy(output_dtype=bf16)``
+rounds each rank's loss to bf16, stock and patched alike), gradient within 1e-2.
 
 Writes ``gpu_distributed.json`` under ``--out`` and prints a markdown table. Each group's
 torchrun output goes to ``--out``/``gpu_distributed_<group>.log``.
@@ -69,7 +70,9 @@ MODELS = {
 }
 MODES = ("ddp", "fsdp2", "zero3")
 VARIANTS = ("stock", "patched", "liger")
-LOSS_RTOL, GRAD_RTOL = 2.0**-8, 1e-2
+#: Loss: one bf16 spacing (accelerate's FSDP2 policy has output_dtype=bf16, so each rank's
+#: loss is rounded to bf16 there); gradient: the issue's 1e-2.
+LOSS_RTOL, GRAD_RTOL = 2.0**-7, 1e-2
 #: The issue's plan: (models, modes, variants, rows per GPU). Stock runs before its variants.
 PLAN = (
     (("smollm2-135m", "qwen2.5-0.5b"), MODES, ("stock", "patched"), 2),
@@ -88,7 +91,7 @@ def main():
     p.add_argument("--group-timeout", type=float, default=200.0,
                    help="seconds one torchrun group may take before it is killed")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds for all groups (default 280, --tiny 1800); a group that would start with less than 20 s "
+                   help="seconds for the whole script (default 280, --tiny 1800); a group that would start with less than 20 s "
                         "left is skipped, so the table is still written")
     p.add_argument("--tiny", action="store_true", help="CPU/gloo dry run (see the docstring)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # plan file of a group
@@ -134,7 +137,7 @@ def parent(args):
     env = environment(torch, args)
     print(json.dumps(env), flush=True)
     rows = []
-    deadline = time.time() + args.budget
+    deadline = time.time() + args.budget - 30  # 30 s kept for the comparisons and the table
     try:
         for name, runs in groups(args).items():
             left = deadline - time.time()
@@ -143,6 +146,7 @@ def parent(args):
                 continue
             rows += launch(name, runs, args, scratch, min(args.group_timeout, left))
         compare(torch, rows, scratch)
+        env["devices"] = sorted({r["device"] for r in rows if "device" in r})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     with open(os.path.join(args.out, "gpu_distributed.json"), "w") as f:
@@ -166,9 +170,7 @@ def environment(torch, args):
             env[pkg] = metadata.version(pkg)
         except Exception as exc:  # not installed / not importable here: say so
             env[pkg] = f"unavailable ({type(exc).__name__})"
-    if not args.tiny:
-        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return env
+    return env  # the devices come from the workers (no CUDA context in this process)
 
 
 def launch(name, runs, args, scratch, timeout):
@@ -249,7 +251,7 @@ def table(rows, env):
         return format(v, fmt) if isinstance(v, (int, float)) else (v or "")
 
     lines = [
-        f"{env['date']}; {', '.join(env.get('gpus', ['CPU (tiny)']))}; torch {env['torch']}, "
+        f"{env['date']}; {', '.join(env['devices']) or '?'} x 2; torch {env['torch']}, "
         f"transformers {env['transformers']}, accelerate {env['accelerate']}, deepspeed "
         f"{env['deepspeed']}, liger-kernel {env['liger_kernel']}; 2 processes, "
         f"{env['seq']} tokens per row",
@@ -537,7 +539,8 @@ def one_run(torch, dist, run, args, device, scratch):
     del model, opt, acc, engine
     return {"loss": first_loss, "ms": stats[0].item(), "ms_rank0": times,
             "peak_gib": stats[1].item(), "base_gib": stats[2].item(), "head_unit": unit,
-            "grad_file": grad_file}
+            "grad_file": grad_file,
+            "device": torch.cuda.get_device_name(device) if cuda else "CPU (tiny)"}
 
 
 if __name__ == "__main__":
