@@ -435,8 +435,8 @@ def head_unit(model) -> str:
 
     head = head_of(model)
     if isinstance(head, FSDPModule):
-        state = head._get_fsdp_state()
-        names = sorted(type(m).__name__ for m in state._modules)
+        modules = getattr(head._get_fsdp_state(), "_modules", (head,))  # the unit's modules
+        names = sorted(type(m).__name__ for m in modules)
         names = [n.removeprefix("FSDP") for n in names]
         return "fsdp2 unit " + "+".join(names) if len(names) > 1 else "fsdp2 own unit"
     if hasattr(head.weight, "ds_id"):
