@@ -1,4 +1,4 @@
-"""One training step on 2 GPUs through accelerate: DDP, FSDP2 and DeepSpeed ZeRO-3, stock vs patched.
+"""One training step on 2 GPUs through accelerate (DDP, FSDP2, DeepSpeed ZeRO-3): stock vs patched.
 
 Question (issue 13): with the architectures of SmolLM2-135M and Qwen2.5-0.5B (both with tied
 embeddings) at 2 x 4096 tokens per GPU, under accelerate's DDP, FSDP2 (``fsdp_version=2``;
@@ -91,8 +91,8 @@ def main():
     p.add_argument("--group-timeout", type=float, default=200.0,
                    help="seconds one torchrun group may take before it is killed")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds for the whole script (default 280, --tiny 1800); a group that would start with less than 20 s "
-                        "left is skipped, so the table is still written")
+                   help="seconds for the whole script (default 280, --tiny 1800); a group that "
+                        "would start with less than 20 s left is skipped, so the table is written")
     p.add_argument("--tiny", action="store_true", help="CPU/gloo dry run (see the docstring)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # plan file of a group
     args = p.parse_args()
@@ -256,8 +256,8 @@ def table(rows, env):
         f"{env['deepspeed']}, liger-kernel {env['liger_kernel']}; 2 processes, "
         f"{env['seq']} tokens per row",
         "",
-        "| model | mode | variant | rows/GPU | head unit | loss | loss rel. diff | lm_head grad rel. "
-        "err | step ms | peak GiB/GPU | ok |",
+        "| model | mode | variant | rows/GPU | head unit | loss | loss rel. diff "
+        "| lm_head grad rel. err | step ms | peak GiB/GPU | ok |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -300,6 +300,7 @@ def worker(args):
     try:
         for run in plan["runs"]:
             t0 = time.time()
+            env = dict(os.environ)  # accelerate exports ACCELERATE_USE_FSDP/_DEEPSPEED for good
             try:
                 row = one_run(torch, dist, run, args, device, plan["scratch"])
             except Exception as exc:
@@ -312,6 +313,8 @@ def worker(args):
                 from accelerate.state import AcceleratorState
 
                 AcceleratorState._reset_state(True)
+                os.environ.clear()
+                os.environ.update(env)
                 gc.collect()
                 if cuda:
                     torch.cuda.empty_cache()

@@ -28,8 +28,10 @@ if DEVICE not in ("cpu", "cuda"):
 CUDA = DEVICE == "cuda"
 MODES = ("ddp", "fsdp2_root", "fsdp2_head", "fsdp2_tied", "fsdp1_head", "fsdp2_lora_head",
          "fsdp2_head_late", "fsdp1_head_late")
-#: Through accelerate's Accelerator, a plain prepare/backward loop (FSDP: see accelerate_prepare).
-ACCELERATE_MODES = ("acc_ddp",)
+#: Through accelerate, a plain prepare/backward loop: DDP, and FSDP2 as accelerate 1.15 shards
+#: (layers, the head in a unit with the final norm, and with the embedding when tied; on CPU
+#: processes through its ``fsdp2_prepare_model``, see accelerate_prepare).
+ACCELERATE_MODES = ("acc_ddp", "acc_fsdp2", "acc_fsdp2_tied")
 #: DeepSpeed (needs the deepspeed package; DS_ACCELERATOR=cpu): ZeRO-2 and ZeRO-3 through
 #: accelerate's DeepSpeedPlugin, and ZeRO-3 through deepspeed.initialize.
 DEEPSPEED_MODES = ("acc_zero2", "acc_zero3", "ds_zero3")
@@ -147,15 +149,41 @@ def wrap(model, mode):
 
 
 def accelerate_prepare(model, mode):
-    """``accelerator.prepare`` for ``mode``; returns (model, accelerator).
+    """``accelerator.prepare`` for ``mode``; returns (model, accelerator or None).
 
-    FSDP through accelerate cannot run on CPU processes: accelerate 1.15 turns its FSDP plugin on
-    only for multi-accelerator runs, and prepares plain DDP instead (checked below).
+    FSDP through accelerate's Accelerator cannot run on CPU processes: accelerate 1.15 turns its
+    FSDP plugin on only for multi-accelerator runs, and prepares plain DDP instead (checked
+    below). There FSDP2 modes call accelerate's own ``fsdp2_prepare_model`` with a stand-in
+    accelerator holding the plugin (what ``prepare`` calls on GPUs), and backward is plain.
     """
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)  # one Accelerator per mode in this process
+    if "fsdp2" in mode:
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        )
+        if CUDA:
+            acc = Accelerator(fsdp_plugin=plugin)
+            assert acc.distributed_type.name == "FSDP", acc.distributed_type
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            model, _ = acc.prepare(model, opt)
+            return model, acc
+        from types import SimpleNamespace
+
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        state = PartialState(cpu=True)  # accelerate's logging needs one
+        stand_in = SimpleNamespace(
+            state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
+            is_main_process=state.is_main_process, torch_device_mesh=None,
+            parallelism_config=None, device=torch.device("cpu"),
+        )
+        return fsdp2_prepare_model(stand_in, model), None
     ds_plugin = None
     if "zero" in mode:
         from accelerate.utils import DeepSpeedPlugin
@@ -272,7 +300,8 @@ def run_mode(rank, world, mode, out_dir):
         model, acc = accelerate_prepare(model, mode)
         # accelerate's backward also steps a DeepSpeed engine (and frees the gradients):
         # call the engine's own backward to read the gradients of this one step.
-        backward = model.backward if "zero" in mode else acc.backward
+        backward = model.backward if "zero" in mode else (
+            acc.backward if acc is not None else torch.Tensor.backward)
     elif mode == "ds_zero3":
         model = deepspeed_initialize(model)
         backward = model.backward
@@ -325,6 +354,7 @@ def worker(rank, world, init_file, modes, out_dir):
                             world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         for mode in modes:
+            env = dict(os.environ)  # accelerate exports ACCELERATE_USE_FSDP/_DEEPSPEED for good
             try:
                 run_mode(rank, world, mode, out_dir)
             except Exception as exc:  # recorded for the test to report; other modes go on
@@ -334,5 +364,8 @@ def worker(rank, world, init_file, modes, out_dir):
 
                         f.write("".join(traceback.format_exception(exc)))
                 dist.barrier()
+            finally:
+                os.environ.clear()
+                os.environ.update(env)
     finally:
         dist.destroy_process_group()
