@@ -23,7 +23,7 @@ fi
 if ls .whl/deepspeed-*.tar.gz >/dev/null 2>&1; then
   [ -n "$tools" ] && python3 -m pip install -q --no-index --no-deps --no-cache-dir \
     --target /tmp/buildtools $tools
-  if PYTHONPATH=/tmp/buildtools:$PYTHONPATH DS_BUILD_OPS=0 timeout 150 python3 -m pip install \
+  if PYTHONPATH=/tmp/buildtools:$PYTHONPATH DS_BUILD_OPS=0 timeout 90 python3 -m pip install \
       -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir \
       --target /tmp/site-ds .whl/deepspeed-*.tar.gz > "$OUT/deepspeed_build.log" 2>&1; then
     export PYTHONPATH=$PYTHONPATH:/tmp/site-ds
