@@ -2,19 +2,34 @@
 # Steps of one device call (benchmarks/NOTES_gpu.md logs each call). Usage, from the repo root
 # on the GPU machine, with the peers' wheels carried in .whl/:
 #   bash benchmarks/gpu_run.sh STEP[:SECONDS] ...
-# Steps: variants | tests[=PATHS] | bench[=IMPLS[@SHAPES]] | e2e | script=NAME[@ARGS]
+# Steps: variants | tests[=PATHS] | bench[=IMPLS[@SHAPES]] | e2e | script=NAME[@ARGS] | dist[=PATHS]
+#   dist runs tests/distributed (or PATHS) on 2 GPUs with NCCL (FUSED_CE_DIST_DEVICE=cuda)
 #   script=NAME runs benchmarks/NAME.py --out $OUT [ARGS, commas -> spaces], log in $OUT/NAME.log
 # Every step's log and result files go to $OUT; a step over its time is stopped, the next runs.
 set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-if ls .whl/*.whl >/dev/null 2>&1; then
+export PYTHONPATH=$PWD
+# setuptools / wheel wheels, if carried, only serve the sdist build below (kept off PYTHONPATH).
+tools=$(ls .whl/setuptools-*.whl .whl/wheel-*.whl 2>/dev/null)
+runtime=$(ls .whl/*.whl 2>/dev/null | grep -v -e '/setuptools-' -e '/wheel-')
+if [ -n "$runtime" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+    --target /tmp/site $runtime || exit 1
   export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
+fi
+# DeepSpeed is an sdist: built here without its CUDA ops (DS_BUILD_OPS=0, pure Python).
+if ls .whl/deepspeed-*.tar.gz >/dev/null 2>&1; then
+  [ -n "$tools" ] && python3 -m pip install -q --no-index --no-deps --no-cache-dir \
+    --target /tmp/buildtools $tools
+  if PYTHONPATH=/tmp/buildtools:$PYTHONPATH DS_BUILD_OPS=0 timeout 90 python3 -m pip install \
+      -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir \
+      --target /tmp/site-ds .whl/deepspeed-*.tar.gz > "$OUT/deepspeed_build.log" 2>&1; then
+    export PYTHONPATH=$PYTHONPATH:/tmp/site-ds
+  else
+    echo "deepspeed build failed: see $OUT/deepspeed_build.log"; tail -n 20 "$OUT/deepspeed_build.log"
+  fi
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
   > "$OUT/nvidia-smi.csv" 2>&1
@@ -36,6 +51,8 @@ for spec in "$@"; do
     script)   sname=${arg%%@*}; sargs=${arg#*@}; [ "$sargs" = "$arg" ] && sargs=""
               timeout "$secs" python3 "benchmarks/$sname.py" --out "$OUT" ${sargs//,/ } \
                 > "$OUT/$sname.log" 2>&1 ;;
+    dist)     FUSED_CE_DIST_DEVICE=cuda timeout "$secs" python3 -m pytest ${arg:-tests/distributed} \
+                -q -rA -p no:cacheprovider > "$OUT/dist_tests.log" 2>&1 ;;
     *) echo "unknown step $name" ;;
   esac
   echo "=== $name exit $?: $(date +%T)"

@@ -1,4 +1,6 @@
-"""Worker side of the CPU/gloo distributed tests (spawned by test_distributed.py).
+"""Worker side of the distributed tests (spawned by test_distributed.py): CPU processes and
+gloo by default; one GPU per process and NCCL with ``FUSED_CE_DIST_DEVICE=cuda`` (needs
+``WORLD`` GPUs; DeepSpeed then runs on its CUDA accelerator instead of ``DS_ACCELERATOR=cpu``).
 
 Each worker builds the same tiny Llama (seed 0), patches it with the fused loss (``torch``
 backend, spied), wraps it in one distributed mode, runs one forward/backward on its half of a
@@ -17,10 +19,19 @@ import torch.distributed as dist
 from torch import nn
 
 VOCAB, HIDDEN, BATCH, SEQ, WORLD, LORA_RANK = 211, 32, 4, 9, 2, 4
+#: Where the workers run: "cpu" (gloo, the default) or "cuda" (NCCL, GPU ``rank`` each). Models
+#: are built (and PEFT-wrapped) on the CPU with the same seeds as the single-process reference,
+#: then moved, so both see the same weights; results are saved on the CPU.
+DEVICE = os.environ.get("FUSED_CE_DIST_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"FUSED_CE_DIST_DEVICE must be 'cpu' or 'cuda', not {DEVICE!r}")
+CUDA = DEVICE == "cuda"
 MODES = ("ddp", "fsdp2_root", "fsdp2_head", "fsdp2_tied", "fsdp1_head", "fsdp2_lora_head",
          "fsdp2_head_late", "fsdp1_head_late")
-#: Through accelerate's Accelerator, a plain prepare/backward loop (FSDP: see accelerate_prepare).
-ACCELERATE_MODES = ("acc_ddp",)
+#: Through accelerate, a plain prepare/backward loop: DDP, and FSDP2 as accelerate 1.15 shards
+#: (layers, the head in a unit with the final norm, and with the embedding when tied; on CPU
+#: processes through its ``fsdp2_prepare_model``, see accelerate_prepare).
+ACCELERATE_MODES = ("acc_ddp", "acc_fsdp2", "acc_fsdp2_tied")
 #: DeepSpeed (needs the deepspeed package; DS_ACCELERATOR=cpu): ZeRO-2 and ZeRO-3 through
 #: accelerate's DeepSpeedPlugin, and ZeRO-3 through deepspeed.initialize.
 DEEPSPEED_MODES = ("acc_zero2", "acc_zero3", "ds_zero3")
@@ -70,6 +81,11 @@ def batch():
     return ids, ids.clone()  # no ignored label: both halves count the same number of tokens
 
 
+def device() -> torch.device:
+    """This worker's device: its GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if CUDA else torch.device("cpu")
+
+
 def clean(name: str) -> str:
     for junk in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module."):
         name = name.replace(junk, "")
@@ -100,12 +116,13 @@ def wrap(model, mode):
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     if mode == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
+        return nn.parallel.DistributedDataParallel(
+            model, device_ids=[torch.cuda.current_device()] if CUDA else None)
     if mode.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
         causal_lm = model.get_base_model() if "lora" in mode else model
         for layer in causal_lm.model.layers:
             fully_shard(layer, mesh=mesh)
@@ -127,21 +144,46 @@ def wrap(model, mode):
             lambda_auto_wrap_policy,
             lambda_fn=lambda m: m is head or isinstance(m, LlamaDecoderLayer),
         )
-        return FSDP(model, auto_wrap_policy=policy, use_orig_params=True,
-                    device_id=torch.device("cpu"))
+        return FSDP(model, auto_wrap_policy=policy, use_orig_params=True, device_id=device())
     raise ValueError(mode)
 
 
 def accelerate_prepare(model, mode):
-    """``accelerator.prepare`` for ``mode``; returns (model, accelerator).
+    """``accelerator.prepare`` for ``mode``; returns (model, accelerator or None).
 
-    FSDP through accelerate cannot run here: accelerate 1.15 turns its FSDP plugin on only for
-    multi-accelerator runs; on CPU processes it prepares plain DDP instead (checked below).
+    FSDP through accelerate's Accelerator cannot run on CPU processes: accelerate 1.15 turns its
+    FSDP plugin on only for multi-accelerator runs, and prepares plain DDP instead (checked
+    below). There FSDP2 modes call accelerate's own ``fsdp2_prepare_model`` with a stand-in
+    accelerator holding the plugin (what ``prepare`` calls on GPUs), and backward is plain.
     """
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)  # one Accelerator per mode in this process
+    if "fsdp2" in mode:
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        )
+        if CUDA:
+            acc = Accelerator(fsdp_plugin=plugin)
+            assert acc.distributed_type.name == "FSDP", acc.distributed_type
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            model, _ = acc.prepare(model, opt)
+            return model, acc
+        from types import SimpleNamespace
+
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        state = PartialState(cpu=True)  # accelerate's logging needs one
+        stand_in = SimpleNamespace(
+            state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
+            is_main_process=state.is_main_process, torch_device_mesh=None,
+            parallelism_config=None, device=torch.device("cpu"),
+        )
+        return fsdp2_prepare_model(stand_in, model), None
     ds_plugin = None
     if "zero" in mode:
         from accelerate.utils import DeepSpeedPlugin
@@ -154,8 +196,8 @@ def accelerate_prepare(model, mode):
             ds_plugin.deepspeed_config["zero_optimization"].update(ZERO3)
     # cpu=True would make accelerate drop a DeepSpeed plugin (plain DDP instead); without an
     # accelerator DeepSpeed runs on the CPU anyway (DS_ACCELERATOR=cpu).
-    acc = Accelerator(cpu=ds_plugin is None, deepspeed_plugin=ds_plugin)
-    expected = "DEEPSPEED" if ds_plugin is not None else "MULTI_CPU"
+    acc = Accelerator(cpu=ds_plugin is None and not CUDA, deepspeed_plugin=ds_plugin)
+    expected = "DEEPSPEED" if ds_plugin is not None else ("MULTI_GPU" if CUDA else "MULTI_CPU")
     assert acc.distributed_type.name == expected, acc.distributed_type
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     model, _ = acc.prepare(model, opt)
@@ -189,13 +231,13 @@ def full_grads(model, mode):
         from deepspeed.utils import safe_get_full_grad
 
         module = model.module
-        return {clean(n): safe_get_full_grad(p).detach().clone()
+        return {clean(n): safe_get_full_grad(p).detach().cpu()
                 for n, p in module.named_parameters()}
     if "fsdp1" in mode:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         with FSDP.summon_full_params(model, with_grads=True):
-            return {clean(n): p.grad.detach().clone() for n, p in model.named_parameters()}
+            return {clean(n): p.grad.detach().cpu() for n, p in model.named_parameters()}
     out = {}
     for n, p in model.named_parameters():
         g = p.grad
@@ -203,7 +245,7 @@ def full_grads(model, mode):
             continue
         if hasattr(g, "full_tensor"):
             g = g.full_tensor()
-        out[clean(n)] = g.detach().clone()
+        out[clean(n)] = g.detach().cpu()
     return out
 
 
@@ -224,18 +266,18 @@ def run_trainer(rank, world, mode, out_dir):
         per_device_train_batch_size=BATCH // world, max_steps=1, learning_rate=TRAINER_LR,
         optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
         logging_steps=1, report_to=[], save_strategy="no", seed=0, dataloader_num_workers=0,
-        use_cpu=True,
+        use_cpu=not CUDA,
     )
     trainer = Trainer(model=model, args=args, train_dataset=rows,
                       callbacks=[FusedCECallback()])
-    assert trainer.accelerator.distributed_type.name == "MULTI_CPU"
+    assert trainer.accelerator.distributed_type.name == ("MULTI_GPU" if CUDA else "MULTI_CPU")
     spy = BackendSpy()
     try:
         result = trainer.train()
     finally:
         spy.close()
     head_unit = head_kind(trainer.model_wrapped)
-    after = {clean(n): p.detach() for n, p in trainer.model.named_parameters()}
+    after = {clean(n): p.detach().cpu() for n, p in trainer.model.named_parameters()}
     grads = {n: (before[n] - after[n]) / TRAINER_LR for n in before}
     if rank == 0:
         torch.save({"loss": torch.tensor(result.training_loss), "grads": grads,
@@ -249,7 +291,7 @@ def run_mode(rank, world, mode, out_dir):
         return run_trainer(rank, world, mode, out_dir)
     from fused_ce_patch import apply_fused_ce
 
-    model = build_for(mode)
+    model = build_for(mode).to(device())
     name, late = mode, mode.endswith("_late")  # late: patch after wrapping (hooks in place)
     mode = mode.removesuffix("_late")
     if not late:
@@ -258,7 +300,8 @@ def run_mode(rank, world, mode, out_dir):
         model, acc = accelerate_prepare(model, mode)
         # accelerate's backward also steps a DeepSpeed engine (and frees the gradients):
         # call the engine's own backward to read the gradients of this one step.
-        backward = model.backward if "zero" in mode else acc.backward
+        backward = model.backward if "zero" in mode else (
+            acc.backward if acc is not None else torch.Tensor.backward)
     elif mode == "ds_zero3":
         model = deepspeed_initialize(model)
         backward = model.backward
@@ -268,7 +311,7 @@ def run_mode(rank, world, mode, out_dir):
     if late:
         apply_fused_ce(model, backend="torch")
     head_unit = head_kind(model)
-    ids, labels = batch()
+    ids, labels = (t.to(device()) for t in batch())
     half = BATCH // world
     rows = slice(rank * half, (rank + 1) * half)
     # torch-native wrappers run the step twice (gradients cleared in between): the second
@@ -285,7 +328,7 @@ def run_mode(rank, world, mode, out_dir):
         spy.close()
     loss = out.loss.detach().clone()
     dist.all_reduce(loss)
-    loss /= world
+    loss = loss.cpu() / world
     grads = full_grads(model, mode)
     if rank == 0:
         torch.save({"loss": loss, "grads": grads, "spy": spy.shapes, "head_unit": head_unit,
@@ -295,8 +338,11 @@ def run_mode(rank, world, mode, out_dir):
 
 def worker(rank, world, init_file, modes, out_dir):
     torch.set_num_threads(1)
+    if CUDA:
+        torch.cuda.set_device(rank)
     if any("zero" in m for m in modes):
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if not CUDA:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         # deepspeed.zero.Init-style Tensor patches must not meet a first torch._dynamo import.
         importlib.import_module("torch._dynamo")
     # What torch.distributed.run exports; accelerate reads these (the group is made below).
@@ -304,10 +350,11 @@ def worker(rank, world, init_file, modes, out_dir):
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     import datetime
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+    dist.init_process_group("nccl" if CUDA else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         for mode in modes:
+            env = dict(os.environ)  # accelerate exports ACCELERATE_USE_FSDP/_DEEPSPEED for good
             try:
                 run_mode(rank, world, mode, out_dir)
             except Exception as exc:  # recorded for the test to report; other modes go on
@@ -317,5 +364,8 @@ def worker(rank, world, init_file, modes, out_dir):
 
                         f.write("".join(traceback.format_exception(exc)))
                 dist.barrier()
+            finally:
+                os.environ.clear()
+                os.environ.update(env)
     finally:
         dist.destroy_process_group()

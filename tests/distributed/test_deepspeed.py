@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-2 / ZeRO-3 on CPU (``DS_ACCELERATOR=cpu``, gloo, 2 processes): through
+"""DeepSpeed ZeRO-2 / ZeRO-3 on CPU (``DS_ACCELERATOR=cpu``, gloo, 2 processes; on 2 GPUs with
+NCCL under ``FUSED_CE_DIST_DEVICE=cuda``): through
 accelerate's DeepSpeedPlugin and through ``deepspeed.initialize``; same checks as
 test_distributed.py. ZeRO-3 partitions the head (checked), so the loss runs inside
 ``lm_head``'s call where ZeRO-3's hooks gather it. Skipped when deepspeed is not installed (the
@@ -10,11 +11,12 @@ import os
 
 import pytest
 
-pytest.importorskip("deepspeed", reason="needs the deepspeed package")
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import dist_workers as w
 
-import dist_workers as w  # noqa: E402
-from test_distributed import check_mode, spawn  # noqa: E402
+if not w.CUDA:  # before deepspeed picks its accelerator; on GPUs it picks CUDA itself
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+pytest.importorskip("deepspeed", reason="needs the deepspeed package")
+from test_distributed import check_mode, pytestmark, spawn  # noqa: E402, F401
 
 
 @pytest.fixture(scope="module")

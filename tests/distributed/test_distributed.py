@@ -1,13 +1,15 @@
-"""Distributed modes on CPU with 2 processes and gloo: the patched model's loss and gathered
-gradients after one step (the last of two for torch-native wrappers) equal one process running
-the stock (unpatched) model on the whole batch, a spy shows the fused kernel ran once per step
-on the full weight, and heads meant to be their own shard unit really were.
+"""Distributed modes on CPU with 2 processes and gloo (on 2 GPUs with NCCL when
+``FUSED_CE_DIST_DEVICE=cuda``; the reference stays one CPU process): the patched model's loss
+and gathered gradients after one step (the last of two for torch-native wrappers) equal one
+process running the stock (unpatched) model on the whole batch, a spy shows the fused kernel
+ran once per step on the full weight, and heads meant to be their own shard unit really were.
 
 Modes (dist_workers.py): DDP; FSDP2 with the head in the root unit, as its own unit, tied to
 the embedding, and a PEFT LoRA head as its own unit; FSDP1 with the head as its own unit;
-FSDP1/FSDP2 head units patched after wrapping (``*_late``); accelerate's Accelerator (DDP) and
-transformers' Trainer with the flag (DDP). All run in one spawn (imports dominate the cost);
-each mode is then one test. DeepSpeed modes are in test_deepspeed.py.
+FSDP1/FSDP2 head units patched after wrapping (``*_late``); accelerate's Accelerator (DDP),
+accelerate's FSDP2 sharding (head in the unit of the final norm, plus the embedding when
+tied) and transformers' Trainer with the flag (DDP). All run in one spawn (imports dominate the
+cost); each mode is then one test. DeepSpeed modes are in test_deepspeed.py.
 """
 
 from __future__ import annotations
@@ -19,10 +21,17 @@ import dist_workers as w
 
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="needs torch.distributed with gloo",
-)
+if w.CUDA:
+    pytestmark = pytest.mark.skipif(
+        not torch.distributed.is_available() or not torch.distributed.is_nccl_available()
+        or torch.cuda.device_count() < w.WORLD,
+        reason=f"FUSED_CE_DIST_DEVICE=cuda needs torch.distributed with NCCL and {w.WORLD} GPUs",
+    )
+else:
+    pytestmark = pytest.mark.skipif(
+        not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+        reason="needs torch.distributed with gloo",
+    )
 
 
 def spawn(tmp_path_factory, modes):
@@ -77,7 +86,10 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", (*w.MODES, *w.ACCELERATE_MODES, *w.TRAINER_MODES))
 def test_mode_matches_single_process_stock(results, mode):
-    unit = mode.split("_")[0] if "_head" in mode else "plain"
+    if mode.startswith("acc_fsdp2"):  # accelerate gives the head a unit of its own
+        unit = "fsdp2"
+    else:
+        unit = mode.split("_")[0] if "_head" in mode else "plain"
     check_mode(results, mode, unit)
 
 
