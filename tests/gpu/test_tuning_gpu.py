@@ -24,9 +24,12 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-EXACT = ("overlap,rows=2", "dh_first", "programs=1,warps=16", "overlap,rows=2,programs=1",
+EXACT = ("overlap,rows=2", "dh_first", "overlap,rows=2,programs=1",
          "overlap,rows=2,dh_first")  # fmt: skip
-CLOSE = ("overlap", "rows=2", "block_v=8192,warps=16", "programs=0.5,warps=16")
+# 16 warps split each row's lane sums differently: the same math, other float32 roundings
+# (H200, 2026-12-01: 1e-8 relative on the loss, 4e-6 on dH)
+CLOSE = ("overlap", "rows=2", "programs=1,warps=16", "block_v=8192,warps=16",
+         "programs=0.5,warps=16")
 N, H, V = 3000, 512, 50000
 ROWS = 384  # rows a chunk (explicit budget): 7-8 chunks
 
