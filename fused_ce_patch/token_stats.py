@@ -150,7 +150,8 @@ def fused_linear_token_stats(
     Raises:
         ValueError: label out of range (names it and V), shape mismatch (names both), unknown
             backend, bad ``softcap`` / ``logit_scale`` / ``temperature`` / ``logits_budget``.
-        TypeError: dtype mismatch outside autocast, non-integer labels.
+        TypeError: dtype mismatch outside autocast, non-integer labels, a ``grad_hint`` that
+            is not a :class:`ForwardGradHint`.
         BackendUnavailableError: the requested backend cannot run here.
 
     Source: the blockwise log-sum-exp of Wijmans et al., "Cut Your Losses in Large-Vocabulary
@@ -158,6 +159,9 @@ def fused_linear_token_stats(
     head (``trl.trainer.utils.add_fused_lm_head``, trl 1.16).
     """
     _check_options(softcap, logit_scale, temperature, logits_budget, backend)
+    if grad_hint is not None and not isinstance(grad_hint, ForwardGradHint):
+        raise TypeError(f"grad_hint must be None or a ForwardGradHint, got "
+                        f"{type(grad_hint).__name__}")
     ignore_index = _check_ignore_index(ignore_index)
     _check_shift(shift)
     hidden, weight, bias = _autocast(hidden, weight, bias)

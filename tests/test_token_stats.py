@@ -219,3 +219,10 @@ def test_tiny_benchmark_runs(tmp_path):
     assert rows and all("error" not in r for r in rows), rows
     assert all(r["err_loss"] < 1e-3 and r["err_dh"] < 1e-2 for r in rows)
     assert (tmp_path / "gpu_trl_head_tiny.json").is_file()
+
+
+@pytest.mark.parametrize("hint", [True, "on", 1])
+def test_grad_hint_must_be_a_hint(hint):
+    hid, w, b, y = _inputs(3, 2, 5)
+    with pytest.raises(TypeError, match="grad_hint must be None or a ForwardGradHint"):
+        fused_linear_token_stats(hid, w, y, grad_hint=hint)

@@ -311,8 +311,9 @@ def apply_fused_ce(
     handled by rebuilding accelerate's autocast wrapper around the patched forward).
 
     Args:
-        model: a supported causal LM (``config.model_type`` in llama, qwen2, mistral, gemma2,
-            gemma3_text), possibly wrapped.
+        model: a causal LM whose class the parity sweep verified (README's support table;
+            every text causal-LM type of transformers' registry that the sweep could build),
+            possibly wrapped.
         backend: backend of :func:`~fused_ce_patch.fused_linear_cross_entropy`.
         logits_budget: bytes of transient logits one chunk may hold (None: backend default).
         return_logits: keep the stock path everywhere (real logits; no memory saving) while

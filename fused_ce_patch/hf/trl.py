@@ -225,13 +225,13 @@ def is_trl_head_forward(fn) -> bool:
     Recognised by function name and module: ``add_fused_lm_head``'s ``_fused_forward`` (trl >=
     1.15) and ``_patch_chunked_ce_lm_head``'s ``_chunked_ce_forward`` (trl 1.6-1.14).
     """
-    func = getattr(fn, "__func__", None)
-    if func is None or not getattr(func, "__module__", "").startswith("trl."):
+    # By code object: trl 1.16 wraps _fused_forward with functools.wraps(type(model).forward),
+    # which copies the class forward's __module__ and __qualname__ onto it.
+    code = getattr(getattr(fn, "__func__", None), "__code__", None)
+    if code is None:
         return False
-    return func.__qualname__ in (
-        "add_fused_lm_head.<locals>._fused_forward",
-        "_patch_chunked_ce_lm_head.<locals>._chunked_ce_forward",
-    )
+    in_trl = "trl" in code.co_filename.replace("\\", "/").split("/")
+    return in_trl and code.co_name in ("_fused_forward", "_chunked_ce_forward")
 
 
 # -- loss_type="nll" (trl <= 1.6 default; explicit later) ------------------------------------
@@ -265,6 +265,10 @@ def convert_nll_sft_trainer(trainer, target) -> object | None:
     args = trainer.args
     if is_trl_head_forward(target.__dict__.get("forward")):
         return None  # TRL's own head is already there (trl >= 1.15, or chunked_nll)
+    if getattr(sys.modules.get("trl.trainer.utils"), "add_fused_lm_head", None) is not None:
+        # trl >= 1.15: SFTTrainer installs its fused head right after Trainer.__init__ (where
+        # this runs), whatever the loss type, and its kernel is routed to us
+        return None
     if (not _is_sft_trainer(trainer) or getattr(args, "loss_type", "nll") != "nll"
             or args.use_liger_kernel or trainer.compute_loss_func is not None
             or trainer.label_smoother is not None):

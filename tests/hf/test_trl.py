@@ -90,7 +90,7 @@ HAS_NLL = hasattr(trl.SFTConfig, "loss_type") or "loss_type" in trl.SFTConfig.__
     ("flag", None), ("callback", None), ("apply_first", None), ("flag", "nll"),
 ])
 def test_sft_trains_with_our_kernel_and_same_metrics(route, loss_type, tmp_path, token_spy,
-                                                     spy):
+                                                     spy, caplog):
     extra = {} if loss_type is None else {"loss_type": loss_type}
     if loss_type is not None and not HAS_NLL:
         pytest.skip(f"trl {TRL} has no loss_type")
@@ -109,6 +109,9 @@ def test_sft_trains_with_our_kernel_and_same_metrics(route, loss_type, tmp_path,
         trainer = _sft(apply_fused_ce(model), tmp_path / "ours", **extra)
     assert is_fused_ce_applied(trainer.model)
     assert token_spy.count >= 2  # our kernel computed every training step
+    assert "return_logits=True" not in caplog.text  # no advice to give up the fused path
+    if HAS_FUSED_HEAD:  # recognised though trl 1.16 functools.wraps it as the class forward
+        assert trl_routing.is_trl_head_forward(model.__dict__.get("forward"))
     _assert_same_logs(_history(trainer, SFT_KEYS), want, SFT_KEYS)
     from fused_ce_patch import revert_fused_ce
 
