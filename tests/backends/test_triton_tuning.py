@@ -82,18 +82,17 @@ def _inputs(config: str):
     return hidden, weight, labels, bias, up
 
 
-def _run(config: str, monkeypatch, tuning: str | None):
+def _run(config: str, monkeypatch, tuning: str | None, oracle=None):
     """Loss and gradients of ``config`` with ``tuning`` in the environment (None: float64
-    oracle). Several chunks of ``rows`` rows each, so both overlap buffers are reused."""
+    oracle, the ``oracle`` fixture of tests/conftest.py). Several chunks of ``rows`` rows
+    each, so both overlap buffers are reused."""
     _, _, opts, reduction, _, rows = CONFIGS[config]
     hidden, weight, labels, bias, up = _inputs(config)
     leaves = [t for t in (hidden, weight, bias) if t is not None and t.requires_grad]
     if tuning is None:
-        from conftest import oracle_loss
-
         exact = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None
                  for t in (hidden, weight, bias)]  # fmt: skip
-        out = oracle_loss(exact[0], exact[1], labels, bias=exact[2], reduction=reduction, **opts)
+        out = oracle.loss(exact[0], exact[1], labels, bias=exact[2], reduction=reduction, **opts)
         leaves = [t for t in exact if t is not None and t.requires_grad]
     else:
         chunks = []
@@ -119,16 +118,16 @@ def _run(config: str, monkeypatch, tuning: str | None):
 _BASE: dict = {}
 
 
-def _baseline(config, monkeypatch):
+def _baseline(config, monkeypatch, oracle):
     if config not in _BASE:
-        _BASE[config] = (_run(config, monkeypatch, ""), _run(config, monkeypatch, None))
+        _BASE[config] = (_run(config, monkeypatch, ""), _run(config, monkeypatch, None, oracle))
     return _BASE[config]
 
 
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("tuning", EXACT + CLOSE)
 def test_variant_matches_default_and_oracle(monkeypatch, oracle, config, tuning):
-    (base, ref), ours = _baseline(config, monkeypatch), _run(config, monkeypatch, tuning)
+    (base, ref), ours = _baseline(config, monkeypatch, oracle), _run(config, monkeypatch, tuning)
     dtype = CONFIGS[config][0]
     for i, (a, b, r) in enumerate(zip(ours, base, ref)):
         assert a.dtype == b.dtype and a.shape == b.shape

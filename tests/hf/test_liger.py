@@ -15,7 +15,8 @@ structural checks run with every non-loss Liger kernel patched in, and
 
 Liger patches module globals and classes process-wide, even when given ``model=``
 (``modeling_llama.apply_rotary_pos_emb``, ``modeling_llama.LlamaRMSNorm``, ...): the
-``_restore_transformers`` fixture puts every one of them back after each test.
+``_restore_transformers`` fixture puts every one of them back after each test, and
+``tests/hf/test_zz_liger_leak.py`` checks, after this file, that nothing was left behind.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def _import_liger():
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         importlib.import_module("liger_kernel.ops.rope")
+        # Trainer's Liger path reads liger_kernel.transformers.monkey_patch as an attribute
+        importlib.import_module("liger_kernel.transformers.monkey_patch")
         return importlib.import_module("liger_kernel.transformers")
     finally:
         if saved is None:
@@ -89,12 +92,22 @@ def apply_liger(arch, *, model=None, rope=True, rms_norm=False, mlp=False, flce=
 
 
 @pytest.fixture(autouse=True)
-def _restore_transformers(monkeypatch):
-    """Undo Liger's process-wide patches; run each test under the Triton interpreter."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _restore_transformers():
+    """Undo Liger's process-wide patches; run each test under the Triton interpreter.
+
+    Deliberately not built on ``monkeypatch``: this fixture must be torn down after the
+    test's own ``monkeypatch`` (which would otherwise re-install, on undo, a Liger function it
+    had wrapped), and an autouse fixture with no dependency is set up first, torn down last.
+    """
+    env = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
     saved = {m: dict(vars(m)) for m in MODULES.values()}
     forwards = {c: c.__dict__["forward"] for c in CLASSES.values()}
     yield
+    if env is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = env
     for module, names in saved.items():
         for name in set(vars(module)) - set(names):
             delattr(module, name)
@@ -110,8 +123,12 @@ class _Counter:
         self.count = 0
 
 
-def spy_liger_rope(arch, monkeypatch) -> _Counter:
-    """Counts calls of Liger's RoPE where the attention looks it up (the module global)."""
+def spy_liger_rope(arch) -> _Counter:
+    """Counts calls of Liger's RoPE where the attention looks it up (the module global).
+
+    Set directly, not with ``monkeypatch``: ``_restore_transformers`` puts the module back as
+    it was before Liger; a ``monkeypatch`` undo, which a conftest fixture may schedule after
+    that, would re-install Liger's function."""
     module = MODULES[arch]
     liger_rope = module.apply_rotary_pos_emb
     assert liger_rope.__module__.startswith("liger_kernel"), liger_rope.__module__
@@ -122,7 +139,7 @@ def spy_liger_rope(arch, monkeypatch) -> _Counter:
         counter.count += 1
         return liger_rope(*args, **kwargs)
 
-    monkeypatch.setattr(module, "apply_rotary_pos_emb", counting)
+    module.apply_rotary_pos_emb = counting
     return counter
 
 
@@ -153,7 +170,7 @@ def test_liger_rope_with_fused_ce_matches_liger_alone(arch, order, spy, monkeypa
     apply_liger(arch, model=ref)
     if order == "liger_first":
         apply_fused_ce(model)
-    rope = spy_liger_rope(arch, monkeypatch)
+    rope = spy_liger_rope(arch)
     inputs = batch()
 
     want = loss_and_grads(ref, inputs)

@@ -148,8 +148,8 @@ def token_stats_row_kernel(
     ``STATS``: writes the row's max ``m``, ``log_s`` (``LSE = m + log_s``), ``nll`` and the
     requested ``ent`` / ``top1`` (int8) / ``mean``
     / ``sq`` (float32 ``[r]``); otherwise ``m``, ``log_s``, ``nll`` (and ``ent`` when
-    ``G_ENT``) are read. ``GRAD``: overwrites the row with ``dL/dx`` (0 in the target column) and writes the
-    target column's value to ``coef[row]``.
+    ``G_ENT``) are read. ``GRAD``: overwrites the row with ``dL/dx`` (0 in the target column)
+    and writes the target column's value to ``coef[row]``.
     """
     row = tl.cast(tl.program_id(0), tl.int64)
     z_row = z_ptr + row * stride_z

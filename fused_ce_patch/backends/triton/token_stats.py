@@ -4,8 +4,9 @@ The chunked path of the loss (:mod:`.chunked_path`), with the row kernel of
 :mod:`.stats_kernels` in place of the loss kernel. Per chunk of ``r`` counted rows::
 
     forward:   x = h_c @ W.T (+ b)        [r, V], input dtype
-               stats(x)                   max, log sum exp, -log p_y, and the requested entropy, is_top1,
-                                          mean logit, log sum p^2 (float32 [r])
+               stats(x)                   max, log sum exp, -log p_y, and the requested
+                                          entropy, is_top1, mean logit, log sum p^2
+                                          (float32 [r])
     backward:  x = h_c @ W.T (+ b)        recomputed
                grad(x) -> dx in place     dense part; target column to coef_r (float32)
                dW += dx.T @ h_c ; db += dx.sum(0) ; dH[rows] = (dx + coef at y) @ W
@@ -15,19 +16,20 @@ reused, so dW and dH round exactly as the loss's do).
 
 The upstream gradients of ``log_probs`` are per position in general (GRPO advantages, DPO
 weights), so the gradient needs the backward's values: 4 matmuls per chunk. When the caller
-passes a :class:`~fused_ce_patch.token_stats.ForwardGradHint` that is on, the forward also forms the gradient for an
-upstream gradient of 1 on every ``log_prob`` and none on the entropy (3 matmuls, as the loss),
-betting that the backward receives one value ``c`` for every counted position — what a mean
-or sum of log-probabilities gives (SFT). The backward checks the bet with one host sync: if it
-holds, the forward's gradients times ``c`` are exact; if not, they are dropped, the
-gradient is recomputed as above, and the hint turns itself off so that later calls of the same
-caller go straight to the recompute schedule. float16 never bets
+passes a :class:`~fused_ce_patch.token_stats.ForwardGradHint` that is on, the forward also
+forms the gradient for an upstream gradient of 1 on every ``log_prob`` and none on the entropy
+(3 matmuls, as the loss), betting that the backward receives one value ``c`` for every counted
+position — what a mean or sum of log-probabilities gives (SFT). The backward checks the bet
+with one host sync: if it holds, the forward's gradients times ``c`` are exact; if not, they
+are dropped, the gradient is recomputed as above, and the hint turns itself off so that later
+calls of the same caller go straight to the recompute schedule. float16 never bets
 (:func:`~fused_ce_patch.backends.chunked.forward_grad_safe`).
 """
 
 from __future__ import annotations
 
 import logging
+
 import torch
 
 from ...errors import single_backward
