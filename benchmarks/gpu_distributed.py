@@ -61,6 +61,8 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from gpu_e2e import timed_steps  # noqa: E402  (the single-GPU step benchmark's timer)
 ROOT = os.path.dirname(HERE)
 #: model -> (config file in e2e_configs/, decoder layer class for accelerate's wrap policy)
 MODELS = {
@@ -517,23 +519,7 @@ def one_run(torch, dist, run, args, device, scratch):
 
     for _ in range(args.warmup):
         step()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            step()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t) * 1e3)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    times, peak = timed_steps(torch, step, args.steps, cuda)
     stats = torch.tensor([statistics.median(times), peak, base], dtype=torch.float64,
                          device=device)  # fmt: skip
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)

@@ -219,6 +219,29 @@ def patch(model, name, variant, dev):
     return kernels
 
 
+def timed_steps(torch, step, steps: int, cuda: bool):
+    """``(ms of each call of step(), peak GiB allocated over them)``: CUDA events on a GPU
+    (peak counted from a reset just before), wall clock and 0.0 elsewhere."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            step()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        else:
+            t = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t) * 1e3)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    return times, peak
+
+
 def run_one(torch, name, variant, args, dev):
     if variant in ("liger", "liger_all") and dev != "cuda":
         return {"error": "skipped: Liger's loss/RMSNorm/GLU kernels need CUDA"}
@@ -241,23 +264,7 @@ def run_one(torch, name, variant, args, dev):
     first = float(step())
     for _ in range(args.warmup):
         step()
-    if dev == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
-        if dev == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            step()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t) * 1e3)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
+    times, peak = timed_steps(torch, step, args.steps, dev == "cuda")
     del model, opt
     row = {"weights": weights, "ms": statistics.median(times), "ms_all": times,
            "peak_gib": peak, "loss": first}  # fmt: skip

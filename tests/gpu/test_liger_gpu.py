@@ -20,6 +20,7 @@ import importlib.util
 
 import pytest
 import torch
+from module_state import kept
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,17 +51,8 @@ def _modules():
 def _restore_transformers():
     """Liger patches module globals and classes process-wide even with ``model=``."""
     mods = _modules()
-    saved = {m: dict(vars(m)) for m, _ in mods.values()}
-    forwards = {c: c.__dict__["forward"] for _, c in mods.values()}
-    yield
-    for module, names in saved.items():
-        for name in set(vars(module)) - set(names):
-            delattr(module, name)
-        for name, value in names.items():
-            if vars(module).get(name) is not value:
-                setattr(module, name, value)
-    for cls, fwd in forwards.items():
-        cls.forward = fwd
+    with kept([m for m, _ in mods.values()], [c for _, c in mods.values()]):
+        yield
     from fused_ce_patch import revert_fused_ce
 
     revert_fused_ce()

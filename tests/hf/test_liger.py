@@ -68,6 +68,7 @@ from fused_ce_patch import (  # noqa: E402
     revert_fused_ce,
 )
 from fused_ce_patch.hf.patch import is_fused_ce_applied  # noqa: E402
+from module_state import kept  # noqa: E402
 from hf_helpers import (  # noqa: E402
     LOSS_RTOL,
     assert_close_rel,
@@ -101,21 +102,12 @@ def _restore_transformers():
     """
     env = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
-    saved = {m: dict(vars(m)) for m in MODULES.values()}
-    forwards = {c: c.__dict__["forward"] for c in CLASSES.values()}
-    yield
+    with kept(MODULES.values(), CLASSES.values()):
+        yield
     if env is None:
         os.environ.pop("TRITON_INTERPRET", None)
     else:
         os.environ["TRITON_INTERPRET"] = env
-    for module, names in saved.items():
-        for name in set(vars(module)) - set(names):
-            delattr(module, name)
-        for name, value in names.items():
-            if vars(module).get(name) is not value:
-                setattr(module, name, value)
-    for cls, fwd in forwards.items():
-        cls.forward = fwd
 
 
 class _Counter:

@@ -268,10 +268,10 @@ def _dhidden_chunk(dz, idx, y, coef, weight, grads: _Grads, rows: slice | None):
         grads.dh.index_copy_(0, idx, part.to(grads.dh.dtype))
 
 
-def _finish(cfg: ChunkedConfig, grads: _Grads, hidden, valid_rows, y_valid, coef):
+def _finish(launchers: Launchers, grads: _Grads, hidden, valid_rows, y_valid, coef):
     """Target part of dW/db for every counted row."""
     if grads.dw is not None or grads.db is not None:
-        cfg.launchers.target_dweight(
+        launchers.target_dweight(
             grads.dw, grads.db, y_valid, coef, hidden, row_offsets(hidden, valid_rows)
         )
 
@@ -384,7 +384,7 @@ def _eager_pass(cfg: ChunkedConfig, hidden, weight, bias, valid_rows, y_valid, n
         _backprop_chunk(z, h, idx, y, coef_v[start:stop], weight, grads, rows,
                         cfg.tuning.dh_first)  # fmt: skip
         del z, h
-    _finish(cfg, grads, hidden, valid_rows, y_valid, coef_v)
+    _finish(cfg.launchers, grads, hidden, valid_rows, y_valid, coef_v)
     return loss_v, lse_v, nll_v, grads
 
 
@@ -419,7 +419,7 @@ def _recompute_pass(cfg: ChunkedConfig, hidden, weight, bias, valid_rows, y_vali
         _backprop_chunk(z, h, idx, y, coef_v[start:stop], weight, grads, rows,
                         cfg.tuning.dh_first)  # fmt: skip
         del z, h
-    _finish(cfg, grads, hidden, valid_rows, y_valid, coef_v)
+    _finish(cfg.launchers, grads, hidden, valid_rows, y_valid, coef_v)
     return grads
 
 

@@ -35,7 +35,8 @@ import torch
 from ...errors import single_backward
 from ..chunked import forward_grad_safe
 from .chunked_path import _backprop_chunk, _Grads, _logits, _new_grads, plan_rows
-from .launch import row_kernel_config, row_offsets
+from .chunked_path import _finish as finish_chunks
+from .launch import CUDA_LAUNCHERS, row_kernel_config
 from .stats_kernels import token_stats_row_kernel
 
 logger = logging.getLogger(__name__)
@@ -80,13 +81,9 @@ def _launch(z, labels, out, coef, *, stats, grad, extras, transform, g_lp=None, 
 
 
 def _finish(grads: _Grads, hidden, labels, coef):
-    """Target part of dW/db (float32, one rounding per row of dW)."""
-    if grads.dw is not None or grads.db is not None:
-        from .launch import CUDA_LAUNCHERS
-
-        rows = torch.arange(labels.shape[0], device=labels.device)
-        CUDA_LAUNCHERS.target_dweight(grads.dw, grads.db, labels, coef, hidden,
-                                      row_offsets(hidden, rows))
+    """Target part of dW/db (float32, one rounding per row of dW), as the loss does."""
+    rows = torch.arange(labels.shape[0], device=labels.device)
+    finish_chunks(CUDA_LAUNCHERS, grads, hidden, rows, labels, coef)
 
 
 def _grad_pass(hidden, weight, bias, labels, out, rows, need, transform, extras, *,
@@ -189,15 +186,14 @@ class TritonTokenStats(torch.autograd.Function):
 
 
 def _uniform_value(g: torch.Tensor | None) -> float | None:
-    """The one finite value of every entry of ``g`` (0 when ``g`` is None), else None. One
-    host sync."""
-    if g is None:
+    """The one finite value of every entry of ``g`` (0 when ``g`` is None or empty), else
+    None. One host sync."""
+    if g is None or g.numel() == 0:
         return 0.0
-    if g.numel() == 0:
-        return 0.0
-    first = g[:1]
-    same = torch.all(g == first) & torch.isfinite(first).all()
-    return float(first.item()) if bool(same.item()) else None
+    first = g.reshape(-1)[0]
+    same = torch.all(g == first) & torch.isfinite(first)
+    ok, value = torch.stack((same.double(), first.double())).tolist()
+    return value if ok else None
 
 
 def _outputs(grads: _Grads, need, bias):
