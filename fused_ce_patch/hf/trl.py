@@ -67,12 +67,6 @@ def _once(key, msg, *args):
         logger.warning(msg, *args)
 
 
-def _options_for(weight):
-    """The patch options of the patched instance whose lm_head weight is ``weight``, else None."""
-    found = _patched_owner(weight)
-    return None if found is None else found[1]
-
-
 def _patched_owner(weight):
     """``(model, options)`` of the patched instance whose lm_head weight is ``weight``, else
     None."""
@@ -222,8 +216,9 @@ def is_installed() -> bool:
 def is_trl_head_forward(fn) -> bool:
     """Whether ``fn`` (an instance's ``forward``) is a fused head TRL installed.
 
-    Recognised by function name and module: ``add_fused_lm_head``'s ``_fused_forward`` (trl >=
-    1.15) and ``_patch_chunked_ce_lm_head``'s ``_chunked_ce_forward`` (trl 1.6-1.14).
+    Recognised by code object (name and a file under a ``trl`` folder): ``add_fused_lm_head``'s
+    ``_fused_forward`` (trl >= 1.15) and ``_patch_chunked_ce_lm_head``'s
+    ``_chunked_ce_forward`` (trl 1.6-1.14).
     """
     # By code object: trl 1.16 wraps _fused_forward with functools.wraps(type(model).forward),
     # which copies the class forward's __module__ and __qualname__ onto it.
