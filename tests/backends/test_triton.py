@@ -200,3 +200,32 @@ def test_fp32_matches_oracle_tightly_with_tiles_and_groups(monkeypatch, oracle):
     hidden, weight, labels, bias = make(case, (53,), 20, 71, bias=True)
     check_against_oracle(case, oracle, hidden, weight, labels, bias, tol=TOL[torch.float32],
                          reduction="mean", softcap=4.0, label_smoothing=0.05, z_loss=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("g", [1.0, 0.7, 0.0, -3.5, float("nan")])
+def test_scale_unless_one(dtype, g):
+    """The backward's device-side scaling: ``t *= g`` in float32 with one rounding (what
+    ``t.mul_(g)`` gives), the tensor untouched when ``g == 1``; sizes that leave a partial
+    block and make each of the persistent programs loop."""
+    from fused_ce_patch.backends.triton.launch import CUDA_LAUNCHERS
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    sizes = (1, 1023, 4 * 1024 * 3 + 17)
+    tensors = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
+    tensors[0].fill_(float("inf"))  # inf * 1 stays inf; inf * 0 becomes NaN, as in torch
+    before = [t.clone() for t in tensors]
+    g_t = torch.tensor(g, dtype=torch.float32)
+    CUDA_LAUNCHERS.scale_unless_one((*tensors, None), g_t)
+    for t, b in zip(tensors, before):
+        want = b if g == 1.0 else b.mul(g)
+        assert torch.equal(t.isnan(), want.isnan())
+        assert torch.equal(t[~t.isnan()], want[~want.isnan()])
+
+
+def test_scale_unless_one_refuses_strided():
+    from fused_ce_patch.backends.triton.launch import CUDA_LAUNCHERS
+
+    t = torch.ones(8, 4)[:, 0]
+    with pytest.raises(ValueError, match="contiguous"):
+        CUDA_LAUNCHERS.scale_unless_one((t,), torch.tensor(2.0))

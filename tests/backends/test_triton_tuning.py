@@ -40,7 +40,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 EXACT = ("overlap,rows=2", "dh_first", "programs=3")
 #: Variants that move block boundaries of float32 sums (``block_v``) or chunk boundaries of
 #: dW's bf16 accumulation (``rows``, ``overlap`` alone): equal within those roundings.
-CLOSE = ("overlap,dh_first", "rows=0.5", "block_v=16,stages=2", "programs=2,block_v=32,warps=2")
+CLOSE = ("overlap,dh_first", "rows=0.5", "block_v=16,stages=2", "programs=2,block_v=32,warps=2",
+         "sub_rows=4", "sub_rows=4,block_v=64", "sub_rows=8,block_v=64,programs=2")
 
 #: id: (dtype, make options, loss options, reduction, which leaves need gradients, rows a chunk):
 #: the eager pass (bf16 sum/mean), the stats + recompute passes (fp16, reduction "none"),
@@ -167,8 +168,8 @@ def test_overlap_reuses_two_buffers(monkeypatch):
     [
         ("", ChunkedTuning()),
         (" overlap , dh_first=0 ", ChunkedTuning(overlap=True)),
-        ("rows=2,block_v=8192,warps=16,stages=4,programs=1.5",
-         ChunkedTuning(rows=2.0, block_v=8192, warps=16, stages=4, programs=1.5)),
+        ("rows=2,block_v=8192,warps=16,stages=4,programs=1.5,sub_rows=16",
+         ChunkedTuning(rows=2.0, block_v=8192, warps=16, stages=4, programs=1.5, sub_rows=16)),
     ],
 )  # fmt: skip
 def test_parse_tuning(text, want):
@@ -177,7 +178,7 @@ def test_parse_tuning(text, want):
 
 
 BAD = ["overlap=2", "rows", "rows=x", "rows=0", "rows=inf", "rows=nan", "block_v=100", "warps=3",
-       "stages=0", "programs=-1", "fast"]  # fmt: skip
+       "stages=0", "programs=-1", "sub_rows=3", "fast"]  # fmt: skip
 
 
 @pytest.mark.parametrize("text", BAD)

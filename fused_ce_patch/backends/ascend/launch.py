@@ -71,6 +71,15 @@ class AscendLaunchers:
             FIX_RNE=_interpreted(), **_NPU_ROWS,
         )  # fmt: skip
 
+    def scale_unless_one(self, tensors, g):
+        """On the host (one synchronisation): the device-side kernel of the CUDA launchers
+        has not been run on triton-ascend."""
+        value = g.item()
+        if value != 1.0:
+            for t in tensors:
+                if t is not None:
+                    t.mul_(value)
+
     def dhidden_rows(self, dh, out_rows, *, part=None, coef=None, labels=None, weight=None,
                      accumulate=False):  # fmt: skip
         """``dhidden_rows_store_kernel``."""

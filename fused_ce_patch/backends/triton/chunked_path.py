@@ -6,7 +6,8 @@ Counted rows are cut into chunks whose logits fit the budget; per chunk::
     z      = logits_grad(z)                   one Triton kernel: LSE, loss, and scale * dL/dz
                                               written over z, except the target column,
                                               whose value goes to a float32 coef_r
-    dW    += z.T @ h_c                        addmm into dW (input dtype): the matmul
+    dW    += z.T @ h_c                        addmm into dW (input dtype; the first chunk a
+                                              plain matmul into the empty dW): the matmul
                                               reads dW in float32 compute, one rounding/chunk
     db    += z.sum(0)                         float32
     z[r, y_r] = coef_r                        the target column joins z for dH only
@@ -63,7 +64,8 @@ from .launch import CUDA_LAUNCHERS, Launchers, RowKernelConfig, _pow2, row_offse
 #: Internal environment variable with schedule variants of the chunked path, for measurements
 #: (issue 14); read by backend ``"triton"`` on each call. Syntax: comma-separated items,
 #: ``overlap``, ``dh_first`` (flags; ``=0``/``=1`` also taken), ``rows=<factor>``,
-#: ``block_v=<pow2>``, ``warps=<pow2>``, ``stages=<int>``, ``programs=<per SM>``; see
+#: ``block_v=<pow2>``, ``warps=<pow2>``, ``stages=<int>``, ``programs=<per SM>``,
+#: ``sub_rows=<pow2>``; see
 #: :class:`ChunkedTuning`. Unset or empty: the default schedule.
 TUNING_ENV = "FUSED_CE_CHUNKED_TUNING"
 
@@ -85,6 +87,8 @@ class ChunkedTuning:
             defaults of :func:`~.launch.row_kernel_config`).
         programs: row kernel as a persistent grid of ``programs`` x SM-count programs, each
             looping over rows (0: one program per row).
+        sub_rows: the row kernel's LSE pass over ``[sub_rows, block_v / sub_rows]`` tiles with
+            one running max per segment (power of two, at most ``block_v``; None: default).
     """
 
     overlap: bool = False
@@ -94,13 +98,14 @@ class ChunkedTuning:
     warps: int | None = None
     stages: int | None = None
     programs: float = 0.0
+    sub_rows: int | None = None
 
     def __post_init__(self):
         if not (0 < self.rows < math.inf):
             raise ValueError(f"{TUNING_ENV}: rows must be a positive factor, got {self.rows}")
         if not (0 <= self.programs < math.inf):
             raise ValueError(f"{TUNING_ENV}: programs must be >= 0, got {self.programs}")
-        for name in ("block_v", "warps"):
+        for name in ("block_v", "warps", "sub_rows"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
                 raise ValueError(f"{TUNING_ENV}: {name} must be a power of two, got {v}")
@@ -114,19 +119,24 @@ class ChunkedTuning:
 
     @property
     def tunes_row_kernel(self) -> bool:
-        return (self.block_v, self.warps, self.stages) != (None, None, None) or self.programs > 0
+        tuned = (self.block_v, self.warps, self.stages, self.sub_rows)
+        return tuned != (None, None, None, None) or self.programs > 0
 
     def row_config(self, default: RowKernelConfig, vocab: int) -> RowKernelConfig:
         """``default`` with the fields this tuning sets (``block_v`` at most ``pow2(V)``)."""
+        block_v = default.block_v if self.block_v is None else min(self.block_v, _pow2(vocab))
+        sub_rows = default.sub_rows if self.sub_rows is None else min(self.sub_rows, block_v)
         return RowKernelConfig(
-            block_v=default.block_v if self.block_v is None else min(self.block_v, _pow2(vocab)),
+            block_v=block_v,
             num_warps=default.num_warps if self.warps is None else self.warps,
             num_stages=default.num_stages if self.stages is None else self.stages,
+            sub_rows=sub_rows,
         )
 
 
 _FLAGS = ("overlap", "dh_first")
-_NUMBERS = {"rows": float, "block_v": int, "warps": int, "stages": int, "programs": float}
+_NUMBERS = {"rows": float, "block_v": int, "warps": int, "stages": int, "programs": float,
+            "sub_rows": int}
 
 
 @functools.lru_cache(maxsize=32)
@@ -210,6 +220,9 @@ class _Grads:
     dh: torch.Tensor | None
     dw: torch.Tensor | None
     db: torch.Tensor | None
+    #: dW is uninitialised until the first chunk writes it (a plain matmul, not an addmm into
+    #: zeros: saves a fill and a read of the whole [V, H] dW, ~0.5 ms at Llama-3's size).
+    dw_fresh: bool = False
 
 
 def _new_grads(hidden, weight, bias, need) -> _Grads:
@@ -218,10 +231,11 @@ def _new_grads(hidden, weight, bias, need) -> _Grads:
     dev = hidden.device
     return _Grads(
         dh=torch.zeros(n, hidden.shape[-1], dtype=hidden.dtype, device=dev) if need_h else None,
-        dw=torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_w else None,
+        dw=torch.empty_like(weight, memory_format=torch.contiguous_format) if need_w else None,
         db=torch.zeros(weight.shape[0], dtype=torch.float32, device=dev)
         if (need_b and bias is not None)
         else None,
+        dw_fresh=need_w,
     )
 
 
@@ -250,7 +264,10 @@ def _backprop_chunk(dz, h, idx, y, coef, weight, grads: _Grads, rows: slice | No
     if grads.dh is not None and dh_first:
         _dhidden_chunk(dz, idx, y, coef, weight, grads, rows)
         dz.scatter_(1, y.unsqueeze(1), 0.0)
-    if grads.dw is not None:
+    if grads.dw is not None and grads.dw_fresh:
+        torch.mm(dz.t(), h, out=grads.dw)
+        grads.dw_fresh = False
+    elif grads.dw is not None:
         grads.dw.addmm_(dz.t(), h)
     if grads.db is not None:
         grads.db += dz.sum(0, dtype=torch.float32)
@@ -269,7 +286,10 @@ def _dhidden_chunk(dz, idx, y, coef, weight, grads: _Grads, rows: slice | None):
 
 
 def _finish(launchers: Launchers, grads: _Grads, hidden, valid_rows, y_valid, coef):
-    """Target part of dW/db for every counted row."""
+    """Target part of dW/db for every counted row (dW zeroed first if no chunk wrote it)."""
+    if grads.dw is not None and grads.dw_fresh:
+        grads.dw.zero_()
+        grads.dw_fresh = False
     if grads.dw is not None or grads.db is not None:
         launchers.target_dweight(
             grads.dw, grads.db, y_valid, coef, hidden, row_offsets(hidden, valid_rows)
@@ -458,11 +478,8 @@ class TritonChunkedLinearCrossEntropy(torch.autograd.Function):
             ctx.grads = None
             if grads is None:
                 *_, grads = _eager_pass(cfg, hidden, weight, bias, valid_rows, y_valid, cfg.need)
-            g = grad_out.item()  # one sync per backward; keeps the scale out of bf16 rounding
-            if g != 1.0:
-                for t in (grads.dh, grads.dw, grads.db):
-                    if t is not None:
-                        t.mul_(g)
+            # the upstream scale in float32, one rounding; no host sync (CUDA)
+            cfg.launchers.scale_unless_one((grads.dh, grads.dw, grads.db), grad_out)
             return _outputs(grads, hidden.shape, bias)
 
         need = (

@@ -20,9 +20,10 @@ zero-logits path, to dH (``dH_r += coef_r * W[y_r]``, :func:`dhidden_rows_store_
 chunked path writes it into its logits chunk before the dH matmul instead, so that dH is
 rounded once, as in PyTorch. On large vocabularies the target column carries most of the
 gradient's norm, so adding it in float32 instead of through bf16 partial sums keeps dW's
-error below PyTorch's own bf16 path; and ``p_y - 1`` is formed in float32 from
-``p_y = exp(-nll)`` with the unrounded ``nll = LSE - z_y`` (``exp(z_y - LSE)`` would let LSE's
-float32 rounding dominate ``p_y - 1`` for confident rows).
+error below PyTorch's own bf16 path; and ``1 - p_y`` is formed in float32 as ``-expm1(-nll)``
+(:func:`_one_minus_exp_neg`) from the unrounded ``nll = LSE - z_y`` (``exp(z_y - LSE)`` would
+let LSE's float32 rounding dominate ``p_y - 1`` for confident rows, and ``exp(-nll) - 1`` would
+lose digits for them too).
 
 Softcap: ``c * tanh(z / c)`` and its slope ``1 - tanh**2`` come from :func:`_tanh_and_slope`,
 accurate to a few float32 ulps over the whole range: the usual ``1 - 2 / (exp(2u) + 1)``
@@ -72,6 +73,15 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 #: Below this ``|u|``, ``tanh(u)`` comes from its series (error < 2e-8 relative at 0.25);
 #: above it, ``(1 - e) / (1 + e)`` has no cancellation worse than 2.5x.
 _TANH_SERIES_MAX = tl.constexpr(0.25)
+#: Below this ``a``, ``1 - exp(-a)`` comes from its series (error < 1e-13 relative).
+_EXPM1_SERIES_MAX = tl.constexpr(1.0e-2)
+
+
+@triton.jit
+def _one_minus_exp_neg(a):
+    """``1 - exp(-a)`` for ``a >= 0`` without cancellation near 0 (``-expm1(-a)``)."""
+    series = a * (1.0 - a * (0.5 - a * (0.16666666666666666 - a * 0.041666666666666664)))
+    return tl.where(a < _EXPM1_SERIES_MAX, series, 1.0 - tl.exp(-a))
 
 
 @triton.jit
@@ -88,15 +98,16 @@ def _tanh_and_slope(u):
                 + a2 * (0.13333333333333333
                         + a2 * (-0.05396825396825397 + a2 * 0.021869488536155203)))
     )  # fmt: skip
-    t = tl.where(a < _TANH_SERIES_MAX, series, (1.0 - e) / (1.0 + e))
-    one_e = 1.0 + e
-    return tl.where(u < 0.0, -t, t), 4.0 * e / (one_e * one_e)
+    inv = 1.0 / (1.0 + e)  # one division for both (the kernels are issue-bound with softcap)
+    t = tl.where(a < _TANH_SERIES_MAX, series, (1.0 - e) * inv)
+    return tl.where(u < 0.0, -t, t), 4.0 * e * inv * inv
 
 
 @triton.jit
-def _softcap(x, cap):
-    """``cap * tanh(x / cap)``."""
-    t, _ = _tanh_and_slope(x / cap)
+def _softcap(x, cap, inv_cap):
+    """``cap * tanh(x / cap)``, with ``inv_cap = 1 / cap`` (a product, not a division per
+    element)."""
+    t, _ = _tanh_and_slope(x * inv_cap)
     return cap * t
 
 
@@ -148,17 +159,35 @@ def _row_scale(scale_ptr, scale_value, row, SCALE_MODE: tl.constexpr):
     return scale
 
 
+
+@triton.jit
+def scale_unless_one_kernel(x_ptr, n, g_ptr, BLOCK: tl.constexpr, FIX_RNE: tl.constexpr):
+    """``x *= g`` (``n`` contiguous elements, the product in float32, one rounding), skipped
+    when ``g == 1``: ``g`` is read here, on the device, so the host never waits for it (a
+    ``.item()`` in backward would stall training until the device drains its queue).
+    Persistent grid over blocks of ``x``."""
+    g = tl.load(g_ptr).to(tl.float32)
+    if g != 1.0:
+        offs = tl.arange(0, BLOCK)
+        for b in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+            idx = tl.cast(b, tl.int64) * BLOCK + offs
+            mask = idx < n
+            x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            tl.store(x_ptr + idx, _cast(x * g, x_ptr.dtype.element_ty, FIX_RNE), mask=mask)
+
 # -- chunked path: one row of a logits chunk ------------------------------------------------
 
 
 @triton.jit
-def _lse_step(z_row, v0, cols, vocab, m, s, z_sum, softcap, HAS_SOFTCAP: tl.constexpr,
+def _lse_step(z_row, v0, cols, vocab, m, s, z_sum, softcap, inv_cap, HAS_SOFTCAP: tl.constexpr,
               SMOOTHING: tl.constexpr, LANE_SUMS: tl.constexpr):  # fmt: skip
-    """One block of the running max / sum of exp (and sum of logits) of a row."""
+    """One block of the running max / sum of exp (and sum of logits) of a row. (A per-lane
+    running max, without the block-wide max per step, measured slower on an H200: one more
+    exp per logit and more registers, BENCHMARKS.md.)"""
     mask = cols < vocab - v0
     x = tl.load(z_row + v0 + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        x = _softcap(x, softcap)
+        x = _softcap(x, softcap, inv_cap)
     if SMOOTHING:
         if LANE_SUMS:
             z_sum += tl.where(mask, x, 0.0)
@@ -174,13 +203,33 @@ def _lse_step(z_row, v0, cols, vocab, m, s, z_sum, softcap, HAS_SOFTCAP: tl.cons
 
 
 @triton.jit
-def _grad_step(z_row, v0, cols, vocab, y32, lse, scale, p_scale, softcap, label_smoothing,
-               HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, FIX_RNE: tl.constexpr):  # fmt: skip
+def _lse_step_rows(z_row, v0, offs, vocab, m, s, z_sum, softcap, inv_cap,
+                   HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr):  # fmt: skip
+    """:func:`_lse_step` over a block viewed as ``[SUB_ROWS, W]`` consecutive segments
+    (``offs``): one running max per segment, reduced along the segment only (within a warp
+    when each warp holds one segment), sums per lane; combined once per row."""
+    idx = v0 + offs
+    mask = idx < vocab
+    x = tl.load(z_row + idx, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        x = _softcap(x, softcap, inv_cap)
+    if SMOOTHING:
+        z_sum += tl.where(mask, x, 0.0)
+    x = tl.where(mask, x, -float("inf"))
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    s = s * tl.exp(m - m_new)[:, None] + tl.exp(x - m_new[:, None])
+    return m_new, s, z_sum
+
+
+@triton.jit
+def _grad_step(z_row, v0, cols, vocab, y32, lse, scale, p_scale, softcap, inv_cap,
+               label_smoothing, HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr,
+               FIX_RNE: tl.constexpr):  # fmt: skip
     """One block of a row overwritten with ``scale * dL/dz`` (0 in the target column)."""
     mask = cols < vocab - v0
     x = tl.load(z_row + v0 + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        t, slope = _tanh_and_slope(x / softcap)
+        t, slope = _tanh_and_slope(x * inv_cap)
         x = softcap * t
     g = tl.exp(x - lse) * p_scale
     if SMOOTHING:
@@ -197,18 +246,33 @@ def _logits_grad_row(row, z_ptr, stride_z, labels_ptr, lse_ptr, nll_ptr, loss_pt
                      HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
                      SCALE_MODE: tl.constexpr, COMPUTE_LSE: tl.constexpr,
                      WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, FIX_RNE: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, LANE_SUMS: tl.constexpr):  # fmt: skip
+                     NUM_STAGES: tl.constexpr, LANE_SUMS: tl.constexpr,
+                     SUB_ROWS: tl.constexpr):  # fmt: skip
     r64 = tl.cast(row, tl.int64)
     z_row = z_ptr + r64 * stride_z
     cols = tl.arange(0, BLOCK_V)
     y = tl.load(labels_ptr + r64)
     z_y_raw = tl.load(z_row + y).to(tl.float32)
     z_y = z_y_raw
+    inv_cap = 1.0 / softcap
     if HAS_SOFTCAP:
-        t_y, slope_y = _tanh_and_slope(z_y_raw / softcap)
+        t_y, slope_y = _tanh_and_slope(z_y_raw * inv_cap)  # as the row's other logits
         z_y = softcap * t_y
 
-    if COMPUTE_LSE:
+    if COMPUTE_LSE and SUB_ROWS > 1:
+        W: tl.constexpr = BLOCK_V // SUB_ROWS
+        offs = tl.arange(0, SUB_ROWS)[:, None] * W + tl.arange(0, W)[None, :]
+        m_seg = tl.full([SUB_ROWS], _NEG_BIG, tl.float32)
+        s_lane = tl.zeros([SUB_ROWS, W], tl.float32)
+        z_lane = tl.zeros([SUB_ROWS, W], tl.float32)
+        for v0 in tl.range(0, vocab, BLOCK_V, num_stages=NUM_STAGES):
+            m_seg, s_lane, z_lane = _lse_step_rows(z_row, v0, offs, vocab, m_seg, s_lane, z_lane,
+                                                   softcap, inv_cap, HAS_SOFTCAP,
+                                                   SMOOTHING)  # fmt: skip
+        m = tl.max(m_seg, axis=0)
+        s = tl.sum(tl.sum(s_lane, axis=1) * tl.exp(m_seg - m), axis=0)
+        z_sum = tl.sum(tl.sum(z_lane, axis=1), axis=0)
+    elif COMPUTE_LSE:
         m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
         if LANE_SUMS:  # per-lane sums, one reduction per row
             s = tl.zeros([BLOCK_V], tl.float32)
@@ -218,15 +282,16 @@ def _logits_grad_row(row, z_ptr, stride_z, labels_ptr, lse_ptr, nll_ptr, loss_pt
             z_sum = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
         if NUM_STAGES > 1:
             for v0 in tl.range(0, vocab, BLOCK_V, num_stages=NUM_STAGES):
-                m, s, z_sum = _lse_step(z_row, v0, cols, vocab, m, s, z_sum, softcap,
+                m, s, z_sum = _lse_step(z_row, v0, cols, vocab, m, s, z_sum, softcap, inv_cap,
                                         HAS_SOFTCAP, SMOOTHING, LANE_SUMS)  # fmt: skip
         else:
             for v0 in range(0, vocab, BLOCK_V):
-                m, s, z_sum = _lse_step(z_row, v0, cols, vocab, m, s, z_sum, softcap,
+                m, s, z_sum = _lse_step(z_row, v0, cols, vocab, m, s, z_sum, softcap, inv_cap,
                                         HAS_SOFTCAP, SMOOTHING, LANE_SUMS)  # fmt: skip
         if LANE_SUMS:
             s = tl.sum(s, axis=0)
             z_sum = tl.sum(z_sum, axis=0)
+    if COMPUTE_LSE:
         log_s = tl.log(s)
         lse = m + log_s
         # LSE - z_y without rounding LSE first: exact for confident rows (p_y ~ 1) in float32
@@ -251,13 +316,16 @@ def _logits_grad_row(row, z_ptr, stride_z, labels_ptr, lse_ptr, nll_ptr, loss_pt
             p_scale = scale * (1.0 + 2.0 * z_loss * lse)
         if NUM_STAGES > 1:
             for v0 in tl.range(0, vocab, BLOCK_V, num_stages=NUM_STAGES):
-                _grad_step(z_row, v0, cols, vocab, y32, lse, scale, p_scale, softcap,
+                _grad_step(z_row, v0, cols, vocab, y32, lse, scale, p_scale, softcap, inv_cap,
                            label_smoothing, HAS_SOFTCAP, SMOOTHING, FIX_RNE)  # fmt: skip
         else:
             for v0 in range(0, vocab, BLOCK_V):
-                _grad_step(z_row, v0, cols, vocab, y32, lse, scale, p_scale, softcap,
+                _grad_step(z_row, v0, cols, vocab, y32, lse, scale, p_scale, softcap, inv_cap,
                            label_smoothing, HAS_SOFTCAP, SMOOTHING, FIX_RNE)  # fmt: skip
-        coef = tl.exp(-nll) * p_scale - (1.0 - label_smoothing) * scale  # p_y from nll
+        # p_y * p_scale - (1 - eps) * scale with 1 - p_y = -expm1(-nll): p_y - 1 from a float32
+        # exp(-nll) would lose digits for confident rows (nll << 1)
+        coef = (p_scale - (1.0 - label_smoothing) * scale
+                - p_scale * _one_minus_exp_neg(tl.maximum(nll, 0.0)))  # fmt: skip
         if SMOOTHING:
             coef -= scale * label_smoothing / vocab
         if HAS_SOFTCAP:
@@ -292,6 +360,7 @@ def logits_grad_inplace_kernel(
     NUM_STAGES: tl.constexpr,
     LANE_SUMS: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    SUB_ROWS: tl.constexpr = 1,
 ):
     """LSE, loss and the logits gradient of the rows of a ``[r, V]`` logits chunk (input
     dtype, bias included). Grid ``(r,)``, or ``(P,)`` programs looping over rows
@@ -308,13 +377,14 @@ def logits_grad_inplace_kernel(
             _logits_grad_row(row, z_ptr, stride_z, labels_ptr, lse_ptr, nll_ptr, loss_ptr,
                              coef_ptr, scale_ptr, scale_value, vocab, softcap, label_smoothing,
                              z_loss, HAS_SOFTCAP, SMOOTHING, Z_LOSS, SCALE_MODE, COMPUTE_LSE,
-                             WRITE_GRAD, BLOCK_V, FIX_RNE, NUM_STAGES, LANE_SUMS)  # fmt: skip
+                             WRITE_GRAD, BLOCK_V, FIX_RNE, NUM_STAGES, LANE_SUMS,
+                             SUB_ROWS)  # fmt: skip
     else:
         _logits_grad_row(tl.program_id(0), z_ptr, stride_z, labels_ptr, lse_ptr, nll_ptr,
                          loss_ptr, coef_ptr, scale_ptr, scale_value, vocab, softcap,
                          label_smoothing, z_loss, HAS_SOFTCAP, SMOOTHING, Z_LOSS, SCALE_MODE,
                          COMPUTE_LSE, WRITE_GRAD, BLOCK_V, FIX_RNE, NUM_STAGES,
-                         LANE_SUMS)  # fmt: skip
+                         LANE_SUMS, SUB_ROWS)  # fmt: skip
 
 
 # -- dH rows and the target column ----------------------------------------------------------
@@ -575,7 +645,7 @@ def _lse_forward_task(r0, split, h_ptr, row_off_ptr, stride_hk, w_ptr, stride_wv
             bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + local, mask=col_mask, other=0.0)
             z += bias.to(tl.float32)[None, :]
         if HAS_SOFTCAP:
-            z = _softcap(z, softcap)
+            z = _softcap(z, softcap, 1.0 / softcap)
         if SMOOTHING:
             z_sum += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
         z_y += tl.sum(tl.where(local[None, :] == (y - v0)[:, None], z, 0.0), axis=1)
@@ -668,7 +738,7 @@ def _backward_task(r0, c0, h_ptr, row_off_ptr, stride_hk, w_ptr, stride_wv, stri
         bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + local, mask=col_mask, other=0.0)
         z += bias.to(tl.float32)[None, :]
     if HAS_SOFTCAP:
-        t, slope = _tanh_and_slope(z / softcap)
+        t, slope = _tanh_and_slope(z * (1.0 / softcap))
         z = softcap * t
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     if SCALE_MODE == 0:

@@ -25,6 +25,7 @@ from .kernels import (
     dhidden_rows_store_kernel,
     logits_grad_inplace_kernel,
     lse_forward_kernel,
+    scale_unless_one_kernel,
     target_dweight_kernel,
 )
 
@@ -36,6 +37,9 @@ class RowKernelConfig:
     block_v: int
     num_warps: int
     num_stages: int = 3
+    #: LSE pass over ``[sub_rows, block_v / sub_rows]`` tiles, a running max per segment
+    #: (``kernels._lse_step_rows``); 1: one max per block.
+    sub_rows: int = 1
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,12 @@ class TileConfig:
 def row_kernel_config(vocab: int, device: torch.device) -> RowKernelConfig:
     if device.type != "cuda":
         return RowKernelConfig(block_v=min(1024, _pow2(vocab)), num_warps=4, num_stages=1)
-    return RowKernelConfig(block_v=min(4096, _pow2(vocab)), num_warps=8, num_stages=3)
+    block_v = min(4096, _pow2(vocab))
+    # 16 segments of 256 logits a step, each max reduced within its warp: on an H200 the row
+    # kernel's LSE pass was 2-17 % faster than with one block-wide max a step (most with
+    # softcap), the whole loss ~0.8 % (BENCHMARKS.md, 2026-12-01 afternoon)
+    sub_rows = 16 if block_v >= 4096 else 1
+    return RowKernelConfig(block_v=block_v, num_warps=8, num_stages=3, sub_rows=sub_rows)
 
 
 def forward_tile_config(dtype: torch.dtype, device: torch.device) -> TileConfig:
@@ -145,9 +154,14 @@ class Launchers(Protocol):
         ``compute_lse``: write ``lse``, ``nll`` (``LSE - z_y`` without rounding LSE first)
         and ``loss`` (``[r]``); otherwise read ``lse`` and ``nll``. ``write_grad``: overwrite
         ``z`` with ``scale * dL/dz`` (0 in each row's target column) and write the target
-        column's value to ``coef`` ``[r]``, with ``p_y = exp(-nll)``. ``scale``: a float, a
+        column's value to ``coef`` ``[r]``, with ``1 - p_y = -expm1(-nll)``. ``scale``: a float, a
         0-d or an ``[r]`` float32 tensor; ``loss``/``coef`` may be None when not written.
         """
+
+    def scale_unless_one(self, tensors, g: torch.Tensor) -> None:
+        """``t *= g`` for each contiguous tensor of ``tensors`` (None skipped), unless the 0-d
+        float ``g`` (the upstream gradient of a scalar loss) is 1. CUDA reads ``g`` on the
+        device (no synchronisation)."""
 
     def dhidden_rows(self, dh, out_rows, *, part=None, coef=None, labels=None, weight=None,
                      accumulate: bool = False) -> None:  # fmt: skip
@@ -299,12 +313,26 @@ class CudaLaunchers:
             (min(r, programs) if programs else r,), z, labels, lse, nll, loss, coef, scale,
             spec, compute_lse=compute_lse, write_grad=write_grad,
             BLOCK_V=cfg.block_v, FIX_RNE=z.device.type == "cpu", NUM_STAGES=cfg.num_stages,
-            LANE_SUMS=True, PERSISTENT=bool(programs), num_warps=cfg.num_warps,
+            LANE_SUMS=True, PERSISTENT=bool(programs), SUB_ROWS=cfg.sub_rows,
+            num_warps=cfg.num_warps,
         )  # fmt: skip
 
     def _row_launch(self, vocab: int, device: torch.device) -> tuple[RowKernelConfig, int]:
         """The row kernel's settings and its number of programs (0: one per row)."""
         return row_kernel_config(vocab, device), 0
+
+    def scale_unless_one(self, tensors, g):
+        g = g.reshape(()).to(torch.float32)
+        for t in tensors:
+            if t is None or t.numel() == 0:
+                continue
+            if not t.is_contiguous():
+                raise ValueError("scale_unless_one: tensors must be contiguous")
+            block = 4096 if t.device.type == "cuda" else 1024
+            programs = min(triton_cdiv(t.numel(), block), 4 * num_sms(t.device))
+            scale_unless_one_kernel[(programs,)](
+                t, t.numel(), g, BLOCK=block, FIX_RNE=t.device.type == "cpu", num_warps=4
+            )
 
     def dhidden_rows(self, dh, out_rows, *, part=None, coef=None, labels=None, weight=None,
                      accumulate=False):  # fmt: skip

@@ -30,17 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import _NEG_BIG, _cast, _tanh_and_slope
-
-#: Below this ``a``, ``1 - exp(-a)`` comes from its series (error < 1e-13 relative).
-_EXPM1_SERIES_MAX = tl.constexpr(1.0e-2)
-
-
-@triton.jit
-def _one_minus_exp_neg(a):
-    """``1 - exp(-a)`` for ``a >= 0`` without cancellation near 0 (``-expm1(-a)``)."""
-    series = a * (1.0 - a * (0.5 - a * (0.16666666666666666 - a * 0.041666666666666664)))
-    return tl.where(a < _EXPM1_SERIES_MAX, series, 1.0 - tl.exp(-a))
+from .kernels import _NEG_BIG, _cast, _one_minus_exp_neg, _tanh_and_slope
 
 
 @triton.jit
@@ -48,7 +38,7 @@ def _transform(x, logit_scale, softcap, temperature, HAS_SOFTCAP: tl.constexpr):
     """``z = T(x)`` in float32."""
     u = x * logit_scale
     if HAS_SOFTCAP:
-        t, _ = _tanh_and_slope(u / softcap)
+        t, _ = _tanh_and_slope(u * (1.0 / softcap))
         u = softcap * t
     return u / temperature
 
@@ -194,7 +184,7 @@ def token_stats_row_kernel(
             x = tl.load(z_row + v0 + cols, mask=mask, other=0.0).to(tl.float32)
             u = x * logit_scale
             if HAS_SOFTCAP:
-                t, slope = _tanh_and_slope(u / softcap)
+                t, slope = _tanh_and_slope(u * (1.0 / softcap))
                 u = softcap * t
             log_p = (u / temperature - m) - log_s  # LSE = m + log_s, never rounded
             p = tl.exp(log_p)
@@ -212,6 +202,6 @@ def token_stats_row_kernel(
             coef -= g_ent * tl.exp(-nll) * (ent - nll)
         coef = coef * chain
         if HAS_SOFTCAP:
-            _, slope_y = _tanh_and_slope(x_y * logit_scale / softcap)
+            _, slope_y = _tanh_and_slope(x_y * logit_scale * (1.0 / softcap))
             coef = coef * slope_y
         tl.store(coef_ptr + row, coef)

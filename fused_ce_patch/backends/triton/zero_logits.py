@@ -182,10 +182,11 @@ class TritonZeroLogitsLinearCrossEntropy(torch.autograd.Function):
         # The target column, in float32: coef_r = scale_r * dL/dz_{r, y_r}; it joins the
         # float32 accumulators before their (last) rounding.
         row_scale = scale if scale.dim() == 1 else scale.expand(m)
-        p_y = torch.exp(-nll)  # not exp(z_t - lse): lse's rounding would dominate p_y - 1
-        if spec.z_loss:
-            p_y = p_y * (1.0 + 2.0 * spec.z_loss * lse)
-        coef = p_y - (1.0 - spec.label_smoothing) - spec.label_smoothing / vocab
+        # p_y * p_factor - (1 - eps) with 1 - p_y = -expm1(-nll): not exp(z_t - lse), whose
+        # rounding of lse would dominate p_y - 1, nor exp(-nll) - 1 (cancels when nll << 1)
+        p_factor = (1.0 + 2.0 * spec.z_loss * lse) if spec.z_loss else 1.0
+        coef = (p_factor - (1.0 - spec.label_smoothing)) + p_factor * torch.expm1(-nll)
+        coef = coef - spec.label_smoothing / vocab
         if spec.softcap is not None:
             coef = coef * (1.0 - (z_t / spec.softcap) ** 2)
         coef = (coef * row_scale).contiguous()
