@@ -43,6 +43,9 @@ Device differences are compile-time switches, set by the launchers (``launch.py`
   row); ascend keeps scalars (one reduction per block) so fewer tiles are live in its Unified
   Buffer. ``NUM_STAGES > 1`` (CUDA) software-pipelines the row loops with ``tl.range``; the
   ascend launch passes 1 (plain ``range``, as triton-ascend's guides write loops).
+  ``SUB_ROWS > 1`` (CUDA, :func:`_lse_step_rows`): the LSE pass views each block as
+  ``SUB_ROWS`` segments with a running max each, so no step waits on a reduction across the
+  program's warps (one combine per row).
 - ``FRESH_OPERANDS`` (ascend): triton-ascend may reuse a ``tl.dot`` left operand's on-chip
   buffer for the product (flash-linear-attention notes this), so a tile that feeds several
   dots is passed as a fresh copy each time.
