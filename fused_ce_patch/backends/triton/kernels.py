@@ -162,7 +162,6 @@ def _row_scale(scale_ptr, scale_value, row, SCALE_MODE: tl.constexpr):
     return scale
 
 
-
 @triton.jit
 def scale_unless_one_kernel(x_ptr, n, g_ptr, BLOCK: tl.constexpr, FIX_RNE: tl.constexpr):
     """``x *= g`` (``n`` contiguous elements, the product in float32, one rounding), skipped
@@ -177,6 +176,7 @@ def scale_unless_one_kernel(x_ptr, n, g_ptr, BLOCK: tl.constexpr, FIX_RNE: tl.co
             mask = idx < n
             x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
             tl.store(x_ptr + idx, _cast(x * g, x_ptr.dtype.element_ty, FIX_RNE), mask=mask)
+
 
 # -- chunked path: one row of a logits chunk ------------------------------------------------
 
