@@ -20,10 +20,11 @@ zero-logits path, to dH (``dH_r += coef_r * W[y_r]``, :func:`dhidden_rows_store_
 chunked path writes it into its logits chunk before the dH matmul instead, so that dH is
 rounded once, as in PyTorch. On large vocabularies the target column carries most of the
 gradient's norm, so adding it in float32 instead of through bf16 partial sums keeps dW's
-error below PyTorch's own bf16 path; and ``1 - p_y`` is formed in float32 as ``-expm1(-nll)``
-(:func:`_one_minus_exp_neg`) from the unrounded ``nll = LSE - z_y`` (``exp(z_y - LSE)`` would
-let LSE's float32 rounding dominate ``p_y - 1`` for confident rows, and ``exp(-nll) - 1`` would
-lose digits for them too).
+error below PyTorch's own bf16 path; and it is formed in float32 from the unrounded
+``nll = LSE - z_y`` (``exp(z_y - LSE)`` would let LSE's float32 rounding dominate ``p_y - 1``
+for confident rows): from ``1 - p_y = -expm1(-nll)`` (:func:`_one_minus_exp_neg`) when
+``p_y > 1/2`` (``exp(-nll) - 1`` would lose digits), from ``p_y = exp(-nll)`` otherwise (the
+``1 - p_y`` form cancels the z-loss factor ``1 + 2 lambda LSE`` against itself when it is large).
 
 Softcap: ``c * tanh(z / c)`` and its slope ``1 - tanh**2`` come from :func:`_tanh_and_slope`,
 accurate to a few float32 ulps over the whole range: the usual ``1 - 2 / (exp(2u) + 1)``
