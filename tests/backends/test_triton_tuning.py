@@ -218,3 +218,28 @@ def _problem(hidden, weight, labels):
         mp.setattr(triton_backend.TritonBackend, "run", spy)
         Case("triton").loss(hidden, weight, labels)
     return seen[0]
+
+
+@pytest.mark.parametrize("tuning", ["block_v=8", "block_v=16,sub_rows=32", "sub_rows=64"])
+def test_sub_rows_never_exceed_block_v(monkeypatch, oracle, tuning):
+    """A tuned ``block_v`` below the default's ``sub_rows`` (CUDA: 16 segments once
+    ``block_v >= 4096``) keeps at most ``block_v`` segments: ``block_v / sub_rows`` logits a
+    segment must stay >= 1. Reproduced here with a CUDA-like default (16 segments)."""
+    from fused_ce_patch.backends.triton import launch
+
+    real = launch.row_kernel_config
+
+    def cuda_like(vocab, device):
+        return launch.RowKernelConfig(block_v=min(64, launch._pow2(vocab)), num_warps=4,
+                                      num_stages=1, sub_rows=16)  # fmt: skip
+
+    cfg = parse_tuning(tuning).row_config(cuda_like(V, torch.device("cpu")), V)
+    assert 1 <= cfg.sub_rows <= cfg.block_v, cfg
+    monkeypatch.setattr(launch, "row_kernel_config", cuda_like)
+    config = "fp32-sum-noncontig"
+    ours = _run(config, monkeypatch, tuning)
+    monkeypatch.setattr(launch, "row_kernel_config", real)
+    (base, ref) = _baseline(config, monkeypatch, oracle)
+    for i, (a, b, r) in enumerate(zip(ours, base, ref)):
+        assert oracle.rel_err(a, b) <= 1e-6, (i, oracle.rel_err(a, b))
+        assert oracle.rel_err(a, r) <= TOL[torch.float32], (i, oracle.rel_err(a, r))

@@ -123,9 +123,12 @@ class ChunkedTuning:
         return tuned != (None, None, None, None) or self.programs > 0
 
     def row_config(self, default: RowKernelConfig, vocab: int) -> RowKernelConfig:
-        """``default`` with the fields this tuning sets (``block_v`` at most ``pow2(V)``)."""
+        """``default`` with the fields this tuning sets (``block_v`` at most ``pow2(V)``,
+        ``sub_rows`` at most ``block_v``)."""
         block_v = default.block_v if self.block_v is None else min(self.block_v, _pow2(vocab))
-        sub_rows = default.sub_rows if self.sub_rows is None else min(self.sub_rows, block_v)
+        # at most block_v segments also for the default's (CUDA: 16 once block_v >= 4096), so a
+        # smaller tuned block_v never leaves a segment of block_v // sub_rows = 0 logits
+        sub_rows = min(default.sub_rows if self.sub_rows is None else self.sub_rows, block_v)
         return RowKernelConfig(
             block_v=block_v,
             num_warps=default.num_warps if self.warps is None else self.warps,

@@ -20,10 +20,11 @@ zero-logits path, to dH (``dH_r += coef_r * W[y_r]``, :func:`dhidden_rows_store_
 chunked path writes it into its logits chunk before the dH matmul instead, so that dH is
 rounded once, as in PyTorch. On large vocabularies the target column carries most of the
 gradient's norm, so adding it in float32 instead of through bf16 partial sums keeps dW's
-error below PyTorch's own bf16 path; and ``1 - p_y`` is formed in float32 as ``-expm1(-nll)``
-(:func:`_one_minus_exp_neg`) from the unrounded ``nll = LSE - z_y`` (``exp(z_y - LSE)`` would
-let LSE's float32 rounding dominate ``p_y - 1`` for confident rows, and ``exp(-nll) - 1`` would
-lose digits for them too).
+error below PyTorch's own bf16 path; and it is formed in float32 from the unrounded
+``nll = LSE - z_y`` (``exp(z_y - LSE)`` would let LSE's float32 rounding dominate ``p_y - 1``
+for confident rows): from ``1 - p_y = -expm1(-nll)`` (:func:`_one_minus_exp_neg`) when
+``p_y > 1/2`` (``exp(-nll) - 1`` would lose digits), from ``p_y = exp(-nll)`` otherwise (the
+``1 - p_y`` form cancels the z-loss factor ``1 + 2 lambda LSE`` against itself when it is large).
 
 Softcap: ``c * tanh(z / c)`` and its slope ``1 - tanh**2`` come from :func:`_tanh_and_slope`,
 accurate to a few float32 ulps over the whole range: the usual ``1 - 2 / (exp(2u) + 1)``
@@ -78,6 +79,8 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 _TANH_SERIES_MAX = tl.constexpr(0.25)
 #: Below this ``a``, ``1 - exp(-a)`` comes from its series (error < 1e-13 relative).
 _EXPM1_SERIES_MAX = tl.constexpr(1.0e-2)
+#: ``log 2``: below this ``nll`` (``p_y > 1/2``) the target column is formed from ``1 - p_y``.
+_LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -325,10 +328,14 @@ def _logits_grad_row(row, z_ptr, stride_z, labels_ptr, lse_ptr, nll_ptr, loss_pt
             for v0 in range(0, vocab, BLOCK_V):
                 _grad_step(z_row, v0, cols, vocab, y32, lse, scale, p_scale, softcap, inv_cap,
                            label_smoothing, HAS_SOFTCAP, SMOOTHING, FIX_RNE)  # fmt: skip
-        # p_y * p_scale - (1 - eps) * scale with 1 - p_y = -expm1(-nll): p_y - 1 from a float32
-        # exp(-nll) would lose digits for confident rows (nll << 1)
-        coef = (p_scale - (1.0 - label_smoothing) * scale
-                - p_scale * _one_minus_exp_neg(tl.maximum(nll, 0.0)))  # fmt: skip
+        # p_y * p_scale - (1 - eps) * scale. p_y >= 1/2: with 1 - p_y = -expm1(-nll), as p_y - 1
+        # from a float32 exp(-nll) would lose digits for confident rows (nll << 1). p_y < 1/2:
+        # from p_y itself, as (p_scale - (1 - eps) * scale) - p_scale * (1 - p_y) cancels
+        # p_scale against itself when the z-loss factor p_scale / scale is large
+        coef = tl.where(nll < _LN2,
+                        (p_scale - (1.0 - label_smoothing) * scale)
+                        - p_scale * _one_minus_exp_neg(tl.maximum(nll, 0.0)),
+                        tl.exp(-nll) * p_scale - (1.0 - label_smoothing) * scale)  # fmt: skip
         if SMOOTHING:
             coef -= scale * label_smoothing / vocab
         if HAS_SOFTCAP:

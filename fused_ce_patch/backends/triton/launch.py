@@ -154,7 +154,8 @@ class Launchers(Protocol):
         ``compute_lse``: write ``lse``, ``nll`` (``LSE - z_y`` without rounding LSE first)
         and ``loss`` (``[r]``); otherwise read ``lse`` and ``nll``. ``write_grad``: overwrite
         ``z`` with ``scale * dL/dz`` (0 in each row's target column) and write the target
-        column's value to ``coef`` ``[r]``, with ``1 - p_y = -expm1(-nll)``. ``scale``: a float, a
+        column's value to ``coef`` ``[r]``, with ``p_y`` from ``nll`` (``1 - p_y = -expm1(-nll)``
+        when ``p_y > 1/2``). ``scale``: a float, a
         0-d or an ``[r]`` float32 tensor; ``loss``/``coef`` may be None when not written.
         """
 

@@ -38,6 +38,7 @@ tiled forward and the recomputing backward; Milakov & Gimelshein (2018) for the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -182,10 +183,15 @@ class TritonZeroLogitsLinearCrossEntropy(torch.autograd.Function):
         # The target column, in float32: coef_r = scale_r * dL/dz_{r, y_r}; it joins the
         # float32 accumulators before their (last) rounding.
         row_scale = scale if scale.dim() == 1 else scale.expand(m)
-        # p_y * p_factor - (1 - eps) with 1 - p_y = -expm1(-nll): not exp(z_t - lse), whose
-        # rounding of lse would dominate p_y - 1, nor exp(-nll) - 1 (cancels when nll << 1)
+        # p_y * p_factor - (1 - eps), p_y from nll, not exp(z_t - lse) (lse's rounding would
+        # dominate p_y - 1). p_y > 1/2: with p_y - 1 = expm1(-nll), not exp(-nll) - 1 (cancels
+        # when nll << 1); else from p_y itself, as (p_factor - (1 - eps)) + p_factor * (p_y - 1)
+        # cancels p_factor against itself when the z-loss factor is large
+        one_eps = 1.0 - spec.label_smoothing
         p_factor = (1.0 + 2.0 * spec.z_loss * lse) if spec.z_loss else 1.0
-        coef = (p_factor - (1.0 - spec.label_smoothing)) + p_factor * torch.expm1(-nll)
+        coef = torch.where(nll < math.log(2.0),
+                           (p_factor - one_eps) + p_factor * torch.expm1(-nll),
+                           p_factor * torch.exp(-nll) - one_eps)
         coef = coef - spec.label_smoothing / vocab
         if spec.softcap is not None:
             coef = coef * (1.0 - (z_t / spec.softcap) ** 2)
