@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gpu_bench  # noqa: E402  (inputs, environment)
+import gpu_e2e  # noqa: E402  (event-timed steps)
 
 SHAPES = "llama3-8b,gemma3-270m,gemma2-2b"
 #: Row kernel launches timed (``name=<ChunkedTuning items>``, ``;``-separated); the first is
@@ -262,18 +263,11 @@ def print_kernels(name, t):
 
 
 def _events(torch, dev, fn, iters):
+    """Median CUDA-event time (ms) of ``fn`` after one warm-up call; NaN off CUDA."""
     fn()
     if dev != "cuda":
         return float("nan")
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(gpu_e2e.timed_steps(torch, fn, iters, cuda=True)[0])
 
 
 def row_kernel_bandwidth(torch, shape, dev, iters, tuning=""):
