@@ -14,6 +14,9 @@ Implementations (each skipped with a printed reason where it cannot run):
     cce              Cut Cross-Entropy linear_cross_entropy, default (gradient filtering)
     cce-exact        the same with filter_eps=None
     cce-compile      Cut Cross-Entropy impl="torch_compile"
+    trl-head         TRL's fused LM head kernel (trl.kernels.ChunkedLogProbFunction, log-probs
+                     only, counted rows, as its trainers call it); loss = mean of -log p
+                     (the trl wheel must be importable; benchmarks/gpu_trl_head.py has more)
     cublas-3gemm     not a loss: the three matmuls (logits, dH, dW) on the counted rows
 
 Method: random bf16 inputs (hidden ~ N(0, 1), weight ~ N(0, 1/H): logits of std ~1), 10% of
@@ -52,7 +55,7 @@ SHAPES = {
 }
 TINY = {"tiny": (64, 32, 1003, None), "tiny-softcap": (48, 24, 517, 30.0)}
 IMPLS = ["ours-chunked", "ours-chunked-232", "ours-zero", "torch-naive", "torch-compile",
-         "liger", "cce", "cce-exact", "cce-compile", "cublas-3gemm"]  # fmt: skip
+         "liger", "cce", "cce-exact", "cce-compile", "trl-head", "cublas-3gemm"]  # fmt: skip
 MiB = 2**20
 
 
@@ -182,6 +185,10 @@ def build(torch, impl, softcap, dev):
 
         mod = LigerFusedLinearCrossEntropyLoss(softcap=softcap)
         return lambda hd, w, y: mod(w, hd, y)
+    if impl == "trl-head":
+        from gpu_trl_head import build as build_trl_head
+
+        return build_trl_head(torch, "trl-logp", softcap)
     if impl.startswith("cce"):
         from cut_cross_entropy import linear_cross_entropy
 

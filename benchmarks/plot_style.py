@@ -26,6 +26,7 @@ STYLE = {
     "cce": ("Cut Cross-Entropy", "#2ca02c"),
     "cce-exact": ("Cut Cross-Entropy (exact)", "#98df8a"),
     "cce-compile": ("Cut Cross-Entropy (torch_compile)", "#17becf"),
+    "trl-head": ("TRL fused LM head (log-probs)", "#9467bd"),
 }
 
 

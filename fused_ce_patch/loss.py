@@ -371,8 +371,9 @@ def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int):
     """Indices of counted rows and their number; raises on an out-of-range label.
 
     Costs one fused min/max reduction (plus a count) over the ``[N]`` labels and one host
-    synchronisation; ``nonzero`` (a second, back-to-back sync on accelerators) runs only when
-    some rows are ignored.
+    synchronisation. The counted rows' indices then come from ``nonzero_static`` with the
+    count already on the host, so no second sync follows (``nonzero`` would sync again while
+    the device sits idle before the loss's first matmul); only when some rows are ignored.
     """
     n = labels.shape[0]
     if n == 0:
@@ -389,8 +390,16 @@ def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int):
     if n_valid == n:
         valid_rows = torch.arange(n, device=labels.device)
     else:
-        valid_rows = counted.nonzero().squeeze(1)
+        valid_rows = _counted_rows(counted, n_valid)
     return valid_rows, n_valid
+
+
+def _counted_rows(counted: torch.Tensor, n_valid: int) -> torch.Tensor:
+    """Indices of the ``True`` entries of ``counted`` (``n_valid`` of them, known)."""
+    try:
+        return torch.nonzero_static(counted, size=n_valid).squeeze(1)
+    except NotImplementedError:  # a device type without it (torch_npu builds may lack it)
+        return counted.nonzero().squeeze(1)
 
 
 def _scale(reduction, num_items, n_valid, device, dtype):

@@ -183,7 +183,9 @@ def test_label_check_is_one_fused_reduction_and_one_sync(ignored):
                                                    "all", "sum", "count_nonzero")]  # fmt: skip
     assert reductions == ["aminmax", "sum"], log.ops  # one min/max pass, one count
     assert "_local_scalar_dense" not in log.ops  # the one sync is a single .tolist()
-    assert log.ops.count("nonzero") == (1 if ignored else 0), log.ops
+    # the counted rows' indices without a second sync: nonzero_static, sized by the count
+    assert "nonzero" not in log.ops, log.ops
+    assert log.ops.count("nonzero_static") == (1 if ignored else 0), log.ops
 
 
 def test_valid_labels_cost_no_extra_sync_per_chunk(monkeypatch):
@@ -194,3 +196,17 @@ def test_valid_labels_cost_no_extra_sync_per_chunk(monkeypatch):
     with log:
         fused_linear_cross_entropy(hidden, weight, labels, logits_budget=16 * 509 * 4)
     assert "_local_scalar_dense" not in log.ops and log.ops.count("aminmax") == 1
+
+
+def test_counted_rows_fall_back_to_nonzero_where_nonzero_static_is_missing(monkeypatch):
+    """A device type without ``nonzero_static`` (some torch_npu builds) gets the same rows."""
+    labels = torch.randint(0, 50, (301,))
+    labels[::4] = -100
+
+    def missing(*args, **kwargs):
+        raise NotImplementedError("aten::nonzero_static: no kernel for this backend")
+
+    monkeypatch.setattr(torch, "nonzero_static", missing)
+    rows, n = loss_mod._check_labels(labels, 50, -100)
+    assert n == int((labels != -100).sum())
+    assert torch.equal(rows, (labels != -100).nonzero()[:, 0])
