@@ -64,7 +64,9 @@ def main():
 
     dev = "cpu" if args.tiny else "cuda"
     variants = TINY_VARIANTS if args.tiny else {k: VARIANTS[k] for k in args.variants.split(",")}
-    shapes = gpu_bench.TINY if args.tiny else {k: gpu_bench.SHAPES[k] for k in args.shapes.split(",")}
+    shapes = gpu_bench.TINY if args.tiny else {
+        k: gpu_bench.SHAPES[k] for k in args.shapes.split(",")
+    }
     env = gpu_bench.environment(torch, dev)
     print(json.dumps(env), flush=True)
     default_fwd, default_bwd = launch.forward_tile_config, launch.backward_tile_config
@@ -111,7 +113,9 @@ def main():
         if "error" in r:
             print(f"| {r['shape']} | {r['variant']} | error: {r['error'][:60]} | | |")
             continue
-        d = "/".join(f"{r[k]:.1e}" for k in ("diff_loss", "diff_dh", "diff_dw")) if "diff_dh" in r else "(reference)"
+        d = "(reference)"
+        if "diff_dh" in r:
+            d = "/".join(f"{r[k]:.1e}" for k in ("diff_loss", "diff_dh", "diff_dw"))
         print(f"| {r['shape']} | {r['variant']} | {r['ms']:.1f} | {r['fwd_ms']:.1f} | {d} |")
 
 

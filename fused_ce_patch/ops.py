@@ -3,7 +3,7 @@
 Under Dynamo (``torch.compiler.is_compiling()``), :func:`~fused_ce_patch.fused_linear_cross_entropy`
 hands its tensors to ``fused_ce::linear_cross_entropy`` instead of running the backend inline.
 Dynamo and Inductor then never trace the validation (one host synchronisation for the label
-range and count), the backends' ``.item()`` / ``nonzero`` or the launcher objects: the op has a
+range and count), the backends' ``.item()`` or the launcher objects: the op has a
 fake (meta) implementation that gives the output's shape and dtype, and runs eagerly at run time.
 There is no graph break at the loss.
 

@@ -70,8 +70,8 @@ def forward_tile_config(dtype: torch.dtype, device: torch.device) -> TileConfig:
         return TileConfig(16, 32, 32, 32, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return TileConfig(64, 64, 32, 64, num_warps=4, num_stages=3)
-    # 128 x 256 logit tiles: forward 22-24 % faster than 128 x 128 on an H200 at Llama-3 and
-    # Gemma-3 sizes (BENCHMARKS.md, 2026-12-01 evening; benchmarks/gpu_zero_tiles.py)
+    # 128 x 256 logit tiles: forward 15-29 % faster than 128 x 128 on an H200 at every
+    # benchmark shape (BENCHMARKS.md, 2026-12-01 evening; benchmarks/gpu_zero_tiles.py)
     return TileConfig(128, 256, 64, 64, num_warps=8, num_stages=3)
 
 
