@@ -170,6 +170,8 @@ def test_overlap_reuses_two_buffers(monkeypatch):
         (" overlap , dh_first=0 ", ChunkedTuning(overlap=True)),
         ("rows=2,block_v=8192,warps=16,stages=4,programs=1.5,sub_rows=16",
          ChunkedTuning(rows=2.0, block_v=8192, warps=16, stages=4, programs=1.5, sub_rows=16)),
+        ("fast_math=0", ChunkedTuning(fast_math=False)),
+        ("fast_math", ChunkedTuning(fast_math=True)),
     ],
 )  # fmt: skip
 def test_parse_tuning(text, want):
@@ -178,7 +180,20 @@ def test_parse_tuning(text, want):
 
 
 BAD = ["overlap=2", "rows", "rows=x", "rows=0", "rows=inf", "rows=nan", "block_v=100", "warps=3",
-       "stages=0", "programs=-1", "sub_rows=3", "fast"]  # fmt: skip
+       "stages=0", "programs=-1", "sub_rows=3", "fast", "fast_math=2"]  # fmt: skip
+
+
+@pytest.mark.parametrize("default", [True, False])
+@pytest.mark.parametrize("text", ["", "fast_math=0", "fast_math"])
+def test_fast_math_can_only_be_turned_off(default, text):
+    """``fast_math=0`` turns the PTX approximations off; nothing turns them on where the
+    default (a device without NVIDIA's PTX) has them off."""
+    from fused_ce_patch.backends.triton import launch
+
+    base = launch.RowKernelConfig(block_v=64, num_warps=4, fast_math=default)
+    cfg = parse_tuning(text).row_config(base, V)
+    assert cfg.fast_math == (default and text != "fast_math=0")
+    assert launch.row_kernel_config(V, torch.device("cpu")).fast_math is False
 
 
 @pytest.mark.parametrize("text", BAD)

@@ -63,10 +63,10 @@ from .launch import CUDA_LAUNCHERS, Launchers, RowKernelConfig, _pow2, row_offse
 
 #: Internal environment variable with schedule variants of the chunked path, for measurements
 #: (issue 14); read by backend ``"triton"`` on each call. Syntax: comma-separated items,
-#: ``overlap``, ``dh_first`` (flags; ``=0``/``=1`` also taken), ``rows=<factor>``,
-#: ``block_v=<pow2>``, ``warps=<pow2>``, ``stages=<int>``, ``programs=<per SM>``,
-#: ``sub_rows=<pow2>``; see
-#: :class:`ChunkedTuning`. Unset or empty: the default schedule.
+#: ``overlap``, ``dh_first``, ``fast_math`` (flags; ``=0``/``=1`` also taken),
+#: ``rows=<factor>``, ``block_v=<pow2>``, ``warps=<pow2>``, ``stages=<int>``,
+#: ``programs=<per SM>``, ``sub_rows=<pow2>``; see :class:`ChunkedTuning`. Unset or empty:
+#: the default schedule.
 TUNING_ENV = "FUSED_CE_CHUNKED_TUNING"
 
 
@@ -89,6 +89,8 @@ class ChunkedTuning:
             looping over rows (0: one program per row).
         sub_rows: the row kernel's LSE pass over ``[sub_rows, block_v / sub_rows]`` tiles with
             one running max per segment (power of two, at most ``block_v``; None: default).
+        fast_math: False turns the row kernel's PTX ``exp``/reciprocal approximations off
+            (None: the default, on for NVIDIA GPUs; True cannot turn them on elsewhere).
     """
 
     overlap: bool = False
@@ -99,6 +101,7 @@ class ChunkedTuning:
     stages: int | None = None
     programs: float = 0.0
     sub_rows: int | None = None
+    fast_math: bool | None = None
 
     def __post_init__(self):
         if not (0 < self.rows < math.inf):
@@ -119,8 +122,8 @@ class ChunkedTuning:
 
     @property
     def tunes_row_kernel(self) -> bool:
-        tuned = (self.block_v, self.warps, self.stages, self.sub_rows)
-        return tuned != (None, None, None, None) or self.programs > 0
+        tuned = (self.block_v, self.warps, self.stages, self.sub_rows, self.fast_math)
+        return tuned != (None,) * 5 or self.programs > 0
 
     def row_config(self, default: RowKernelConfig, vocab: int) -> RowKernelConfig:
         """``default`` with the fields this tuning sets (``block_v`` at most ``pow2(V)``,
@@ -134,10 +137,11 @@ class ChunkedTuning:
             num_warps=default.num_warps if self.warps is None else self.warps,
             num_stages=default.num_stages if self.stages is None else self.stages,
             sub_rows=sub_rows,
+            fast_math=default.fast_math and self.fast_math is not False,
         )
 
 
-_FLAGS = ("overlap", "dh_first")
+_FLAGS = ("overlap", "dh_first", "fast_math")
 _NUMBERS = {"rows": float, "block_v": int, "warps": int, "stages": int, "programs": float,
             "sub_rows": int}
 

@@ -52,6 +52,14 @@ Device differences are compile-time switches, set by the launchers (``launch.py`
   dots is passed as a fresh copy each time.
 - ``ATOMIC_SEM``: ``"relaxed"`` on CUDA (``red.global.add``, no fence); ascend keeps Triton's
   default, the only float32 ``atomic_add`` its op table lists (return value unused).
+- ``FAST_MATH`` (NVIDIA CUDA, the row kernel): its per-logit ``exp`` and the softcap's
+  reciprocal are PTX ``ex2.approx.ftz`` / ``rcp.approx.ftz`` (:func:`_exp`, :func:`_recip`).
+  ``tl.exp`` and ``/`` compile to the same approximations wrapped in range fix-ups for
+  subnormal results (5 instructions per exp, 5 per reciprocal, against 2 and 1); the row
+  kernel is issue-bound with softcap, where that is 10 of ~50 instructions per logit and
+  pass. Flushing is harmless there: an ``exp`` below 2**-126 is a probability (or a tanh
+  complement) that the float32 sums cannot see and that rounds to 0 or to a subnormal in the
+  16-bit gradient; the reciprocal's argument lies in ``[1, 2]``.
 - ``ROW_ALIGN`` (CUDA): ``tl.multiple_of`` hint that lets gathered hidden-row loads be
   vectorised and pipelined; ``DOT_PRECISION``: ``"tf32"`` when torch allows it on CUDA,
   ``"ieee"`` otherwise (always on ascend).
@@ -81,6 +89,34 @@ _TANH_SERIES_MAX = tl.constexpr(0.25)
 _EXPM1_SERIES_MAX = tl.constexpr(1.0e-2)
 #: ``log 2``: below this ``nll`` (``p_y > 1/2``) the target column is formed from ``1 - p_y``.
 _LN2 = tl.constexpr(0.6931471805599453)
+#: ``1 / log 2``: ``exp(x) = 2 ** (x * _LOG2E)``.
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _exp2_ftz(x):
+    """``2 ** x`` of float32 ``x`` by PTX ``ex2.approx.ftz`` (NVIDIA only): results below
+    2**-126 flushed to 0 (module docstring, ``FAST_MATH``)."""
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x],
+                                     dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _exp(x, FAST: tl.constexpr):
+    """``exp(x)`` of float32 ``x``; ``FAST``: by :func:`_exp2_ftz`."""
+    if FAST:
+        return _exp2_ftz(x * _LOG2E)
+    return tl.exp(x)
+
+
+@triton.jit
+def _recip(x, FAST: tl.constexpr):
+    """``1 / x`` of float32 ``x`` (a normal number); ``FAST`` (NVIDIA only): PTX
+    ``rcp.approx.ftz`` (at most 1 ulp off, as ``/``'s own ``div.full`` is 2)."""
+    if FAST:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+    return 1.0 / x
 
 
 @triton.jit
@@ -91,11 +127,15 @@ def _one_minus_exp_neg(a):
 
 
 @triton.jit
-def _tanh_and_slope(u):
+def _tanh_and_slope(u, FAST: tl.constexpr = False):
     """``(tanh(u), 1 - tanh(u)**2)`` in float32, a few ulps from exact for every ``u``
-    (module docstring). NaN propagates; ``+-inf`` give ``(+-1, 0)``."""
+    (module docstring). NaN propagates; ``+-inf`` give ``(+-1, 0)``. ``FAST``: :func:`_exp`
+    and :func:`_recip` (a slope below 2**-126 flushes to 0)."""
     a = tl.abs(u)
-    e = tl.exp(-2.0 * a)  # in [0, 1]: cannot overflow
+    if FAST:
+        e = _exp2_ftz(a * (-2.0 * _LOG2E))  # exp(-2a): rounds as (-2a) * log2(e) does
+    else:
+        e = tl.exp(-2.0 * a)  # in [0, 1]: cannot overflow
     a2 = a * a
     # tanh(a) = a - a^3/3 + 2a^5/15 - 17a^7/315 + 62a^9/2835 - ...
     series = a * (
@@ -104,16 +144,16 @@ def _tanh_and_slope(u):
                 + a2 * (0.13333333333333333
                         + a2 * (-0.05396825396825397 + a2 * 0.021869488536155203)))
     )  # fmt: skip
-    inv = 1.0 / (1.0 + e)  # one division for both (the kernels are issue-bound with softcap)
+    inv = _recip(1.0 + e, FAST)  # one reciprocal for both (issue-bound kernels with softcap)
     t = tl.where(a < _TANH_SERIES_MAX, series, (1.0 - e) * inv)
     return tl.where(u < 0.0, -t, t), 4.0 * e * inv * inv
 
 
 @triton.jit
-def _softcap(x, cap, inv_cap):
+def _softcap(x, cap, inv_cap, FAST: tl.constexpr = False):
     """``cap * tanh(x / cap)``, with ``inv_cap = 1 / cap`` (a product, not a division per
     element)."""
-    t, _ = _tanh_and_slope(x * inv_cap)
+    t, _ = _tanh_and_slope(x * inv_cap, FAST)
     return cap * t
 
 
@@ -186,14 +226,14 @@ def scale_unless_one_kernel(x_ptr, n, g_ptr, BLOCK: tl.constexpr, FIX_RNE: tl.co
 
 @triton.jit
 def _lse_step(z_row, v0, cols, vocab, m, s, z_sum, softcap, inv_cap, HAS_SOFTCAP: tl.constexpr,
-              SMOOTHING: tl.constexpr, LANE_SUMS: tl.constexpr):  # fmt: skip
+              SMOOTHING: tl.constexpr, LANE_SUMS: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     """One block of the running max / sum of exp (and sum of logits) of a row. (A per-lane
     running max, without the block-wide max per step, measured slower on an H200: one more
     exp per logit and more registers, BENCHMARKS.md.)"""
     mask = cols < vocab - v0
     x = tl.load(z_row + v0 + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        x = _softcap(x, softcap, inv_cap)
+        x = _softcap(x, softcap, inv_cap, FAST)
     if SMOOTHING:
         if LANE_SUMS:
             z_sum += tl.where(mask, x, 0.0)
@@ -202,15 +242,16 @@ def _lse_step(z_row, v0, cols, vocab, m, s, z_sum, softcap, inv_cap, HAS_SOFTCAP
     x = tl.where(mask, x, -float("inf"))
     m_new = tl.maximum(m, tl.max(x, axis=0))
     if LANE_SUMS:
-        s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
+        s = s * _exp(m - m_new, FAST) + _exp(x - m_new, FAST)
     else:
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        s = s * _exp(m - m_new, FAST) + tl.sum(_exp(x - m_new, FAST), axis=0)
     return m_new, s, z_sum
 
 
 @triton.jit
 def _lse_step_rows(z_row, v0, offs, vocab, m, s, z_sum, softcap, inv_cap,
-                   HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr):  # fmt: skip
+                   HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr,
+                   FAST: tl.constexpr):  # fmt: skip
     """:func:`_lse_step` over a block viewed as ``[SUB_ROWS, W]`` consecutive segments
     (``offs``): one running max per segment, reduced along the segment only (within a warp
     when each warp holds one segment), sums per lane; combined once per row."""
@@ -218,26 +259,26 @@ def _lse_step_rows(z_row, v0, offs, vocab, m, s, z_sum, softcap, inv_cap,
     mask = idx < vocab
     x = tl.load(z_row + idx, mask=mask, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        x = _softcap(x, softcap, inv_cap)
+        x = _softcap(x, softcap, inv_cap, FAST)
     if SMOOTHING:
         z_sum += tl.where(mask, x, 0.0)
     x = tl.where(mask, x, -float("inf"))
     m_new = tl.maximum(m, tl.max(x, axis=1))
-    s = s * tl.exp(m - m_new)[:, None] + tl.exp(x - m_new[:, None])
+    s = s * _exp(m - m_new, FAST)[:, None] + _exp(x - m_new[:, None], FAST)
     return m_new, s, z_sum
 
 
 @triton.jit
 def _grad_step(z_row, v0, cols, vocab, y32, lse, scale, p_scale, softcap, inv_cap,
                label_smoothing, HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr,
-               FIX_RNE: tl.constexpr):  # fmt: skip
+               FIX_RNE: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     """One block of a row overwritten with ``scale * dL/dz`` (0 in the target column)."""
     mask = cols < vocab - v0
     x = tl.load(z_row + v0 + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        t, slope = _tanh_and_slope(x * inv_cap)
+        t, slope = _tanh_and_slope(x * inv_cap, FAST)
         x = softcap * t
-    g = tl.exp(x - lse) * p_scale
+    g = _exp(x - lse, FAST) * p_scale
     if SMOOTHING:
         g -= scale * label_smoothing / vocab
     if HAS_SOFTCAP:
@@ -253,7 +294,7 @@ def _logits_grad_row(row, z_ptr, stride_z, labels_ptr, lse_ptr, nll_ptr, loss_pt
                      SCALE_MODE: tl.constexpr, COMPUTE_LSE: tl.constexpr,
                      WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, FIX_RNE: tl.constexpr,
                      NUM_STAGES: tl.constexpr, LANE_SUMS: tl.constexpr,
-                     SUB_ROWS: tl.constexpr):  # fmt: skip
+                     SUB_ROWS: tl.constexpr, FAST_MATH: tl.constexpr):  # fmt: skip
     r64 = tl.cast(row, tl.int64)
     z_row = z_ptr + r64 * stride_z
     cols = tl.arange(0, BLOCK_V)
@@ -262,7 +303,7 @@ def _logits_grad_row(row, z_ptr, stride_z, labels_ptr, lse_ptr, nll_ptr, loss_pt
     z_y = z_y_raw
     inv_cap = 1.0 / softcap
     if HAS_SOFTCAP:
-        t_y, slope_y = _tanh_and_slope(z_y_raw * inv_cap)  # as the row's other logits
+        t_y, slope_y = _tanh_and_slope(z_y_raw * inv_cap, FAST_MATH)  # as the row's others
         z_y = softcap * t_y
 
     if COMPUTE_LSE and SUB_ROWS > 1:
@@ -274,7 +315,7 @@ def _logits_grad_row(row, z_ptr, stride_z, labels_ptr, lse_ptr, nll_ptr, loss_pt
         for v0 in tl.range(0, vocab, BLOCK_V, num_stages=NUM_STAGES):
             m_seg, s_lane, z_lane = _lse_step_rows(z_row, v0, offs, vocab, m_seg, s_lane, z_lane,
                                                    softcap, inv_cap, HAS_SOFTCAP,
-                                                   SMOOTHING)  # fmt: skip
+                                                   SMOOTHING, FAST_MATH)  # fmt: skip
         m = tl.max(m_seg, axis=0)
         s = tl.sum(tl.sum(s_lane, axis=1) * tl.exp(m_seg - m), axis=0)
         z_sum = tl.sum(tl.sum(z_lane, axis=1), axis=0)
@@ -289,11 +330,13 @@ def _logits_grad_row(row, z_ptr, stride_z, labels_ptr, lse_ptr, nll_ptr, loss_pt
         if NUM_STAGES > 1:
             for v0 in tl.range(0, vocab, BLOCK_V, num_stages=NUM_STAGES):
                 m, s, z_sum = _lse_step(z_row, v0, cols, vocab, m, s, z_sum, softcap, inv_cap,
-                                        HAS_SOFTCAP, SMOOTHING, LANE_SUMS)  # fmt: skip
+                                        HAS_SOFTCAP, SMOOTHING, LANE_SUMS,
+                                        FAST_MATH)  # fmt: skip
         else:
             for v0 in range(0, vocab, BLOCK_V):
                 m, s, z_sum = _lse_step(z_row, v0, cols, vocab, m, s, z_sum, softcap, inv_cap,
-                                        HAS_SOFTCAP, SMOOTHING, LANE_SUMS)  # fmt: skip
+                                        HAS_SOFTCAP, SMOOTHING, LANE_SUMS,
+                                        FAST_MATH)  # fmt: skip
         if LANE_SUMS:
             s = tl.sum(s, axis=0)
             z_sum = tl.sum(z_sum, axis=0)
@@ -323,11 +366,13 @@ def _logits_grad_row(row, z_ptr, stride_z, labels_ptr, lse_ptr, nll_ptr, loss_pt
         if NUM_STAGES > 1:
             for v0 in tl.range(0, vocab, BLOCK_V, num_stages=NUM_STAGES):
                 _grad_step(z_row, v0, cols, vocab, y32, lse, scale, p_scale, softcap, inv_cap,
-                           label_smoothing, HAS_SOFTCAP, SMOOTHING, FIX_RNE)  # fmt: skip
+                           label_smoothing, HAS_SOFTCAP, SMOOTHING, FIX_RNE,
+                           FAST_MATH)  # fmt: skip
         else:
             for v0 in range(0, vocab, BLOCK_V):
                 _grad_step(z_row, v0, cols, vocab, y32, lse, scale, p_scale, softcap, inv_cap,
-                           label_smoothing, HAS_SOFTCAP, SMOOTHING, FIX_RNE)  # fmt: skip
+                           label_smoothing, HAS_SOFTCAP, SMOOTHING, FIX_RNE,
+                           FAST_MATH)  # fmt: skip
         # p_y * p_scale - (1 - eps) * scale. p_y >= 1/2: with 1 - p_y = -expm1(-nll), as p_y - 1
         # from a float32 exp(-nll) would lose digits for confident rows (nll << 1). p_y < 1/2:
         # from p_y itself, as (p_scale - (1 - eps) * scale) - p_scale * (1 - p_y) cancels
@@ -371,6 +416,7 @@ def logits_grad_inplace_kernel(
     LANE_SUMS: tl.constexpr,
     PERSISTENT: tl.constexpr,
     SUB_ROWS: tl.constexpr = 1,
+    FAST_MATH: tl.constexpr = False,
 ):
     """LSE, loss and the logits gradient of the rows of a ``[r, V]`` logits chunk (input
     dtype, bias included). Grid ``(r,)``, or ``(P,)`` programs looping over rows
@@ -388,13 +434,13 @@ def logits_grad_inplace_kernel(
                              coef_ptr, scale_ptr, scale_value, vocab, softcap, label_smoothing,
                              z_loss, HAS_SOFTCAP, SMOOTHING, Z_LOSS, SCALE_MODE, COMPUTE_LSE,
                              WRITE_GRAD, BLOCK_V, FIX_RNE, NUM_STAGES, LANE_SUMS,
-                             SUB_ROWS)  # fmt: skip
+                             SUB_ROWS, FAST_MATH)  # fmt: skip
     else:
         _logits_grad_row(tl.program_id(0), z_ptr, stride_z, labels_ptr, lse_ptr, nll_ptr,
                          loss_ptr, coef_ptr, scale_ptr, scale_value, vocab, softcap,
                          label_smoothing, z_loss, HAS_SOFTCAP, SMOOTHING, Z_LOSS, SCALE_MODE,
                          COMPUTE_LSE, WRITE_GRAD, BLOCK_V, FIX_RNE, NUM_STAGES,
-                         LANE_SUMS, SUB_ROWS)  # fmt: skip
+                         LANE_SUMS, SUB_ROWS, FAST_MATH)  # fmt: skip
 
 
 # -- dH rows and the target column ----------------------------------------------------------

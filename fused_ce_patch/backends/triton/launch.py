@@ -40,6 +40,9 @@ class RowKernelConfig:
     #: LSE pass over ``[sub_rows, block_v / sub_rows]`` tiles, a running max per segment
     #: (``kernels._lse_step_rows``); 1: one max per block.
     sub_rows: int = 1
+    #: PTX ``ex2``/``rcp`` approximations with subnormals flushed (kernels module docstring,
+    #: ``FAST_MATH``); NVIDIA GPUs only.
+    fast_math: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,14 @@ def row_kernel_config(vocab: int, device: torch.device) -> RowKernelConfig:
     # kernel's LSE pass was 2-17 % faster than with one block-wide max a step (most with
     # softcap), the whole loss ~0.8 % (BENCHMARKS.md, 2026-12-01 afternoon)
     sub_rows = 16 if block_v >= 4096 else 1
-    return RowKernelConfig(block_v=block_v, num_warps=8, num_stages=3, sub_rows=sub_rows)
+    return RowKernelConfig(block_v=block_v, num_warps=8, num_stages=3, sub_rows=sub_rows,
+                           fast_math=nvidia_ptx(device))
+
+
+def nvidia_ptx(device: torch.device) -> bool:
+    """Whether Triton compiles for ``device`` through NVIDIA's PTX (CUDA, not ROCm), so that
+    kernels may carry inline PTX."""
+    return device.type == "cuda" and torch.version.hip is None
 
 
 def forward_tile_config(dtype: torch.dtype, device: torch.device) -> TileConfig:
@@ -323,7 +333,7 @@ class CudaLaunchers:
             spec, compute_lse=compute_lse, write_grad=write_grad,
             BLOCK_V=cfg.block_v, FIX_RNE=z.device.type == "cpu", NUM_STAGES=cfg.num_stages,
             LANE_SUMS=True, PERSISTENT=bool(programs), SUB_ROWS=cfg.sub_rows,
-            num_warps=cfg.num_warps,
+            FAST_MATH=cfg.fast_math, num_warps=cfg.num_warps,
         )  # fmt: skip
 
     def _row_launch(self, vocab: int, device: torch.device) -> tuple[RowKernelConfig, int]:
