@@ -14,6 +14,7 @@ runs, get small legal sizes and no software pipelining, since it runs every prog
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -75,14 +76,40 @@ def nvidia_ptx(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None
 
 
+#: Shared memory per block (bytes; LDS on ROCm) from which the 16-bit zero-logits kernels get
+#: 128 x 256 tiles. Compiled by Triton 3.9 they need 144 KiB on sm_90; 96 KiB (forward) and
+#: 120 KiB (backward) on sm_80-sm_120; 96 KiB (forward) on gfx942: more than the 99 KiB of
+#: sm_86/sm_89/sm_120 (A10, L4, L40S, RTX 30xx-50xx) or the 64 KiB of MI300, where the launch
+#: would raise ``OutOfResources``. 128 x 128 needs at most 96 KiB there (64 KiB on gfx942).
+#: H100/H200 (227 KiB), A100 (163 KiB) and MI355 (160 KiB) pass; tests/backends/
+#: test_triton_tiles.py compiles the chosen tiles for these targets.
+WIDE_TILE_MIN_SHARED_MEM = 160 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _max_shared_mem_of(index: int) -> int:
+    from triton.runtime import driver
+
+    return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def max_shared_mem(device: torch.device) -> int:
+    """Shared memory (bytes; LDS on ROCm) one block may use on the CUDA/ROCm ``device``: the
+    opt-in limit Triton checks each launch against (its driver's ``max_shared_mem``)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _max_shared_mem_of(index)
+
+
 def forward_tile_config(dtype: torch.dtype, device: torch.device) -> TileConfig:
     if device.type != "cuda":
         return TileConfig(16, 32, 32, 32, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return TileConfig(64, 64, 32, 64, num_warps=4, num_stages=3)
-    # 128 x 256 logit tiles: forward 15-29 % faster than 128 x 128 on an H200 at every
-    # benchmark shape (BENCHMARKS.md, 2026-12-01 evening; benchmarks/gpu_zero_tiles.py)
-    return TileConfig(128, 256, 64, 64, num_warps=8, num_stages=3)
+    if max_shared_mem(device) >= WIDE_TILE_MIN_SHARED_MEM:
+        # 128 x 256 logit tiles: forward 15-29 % faster than 128 x 128 on an H200 at every
+        # benchmark shape (BENCHMARKS.md, 2026-12-01 evening; benchmarks/gpu_zero_tiles.py)
+        return TileConfig(128, 256, 64, 64, num_warps=8, num_stages=3)
+    return TileConfig(128, 128, 64, 64, num_warps=8, num_stages=3)
 
 
 def backward_tile_config(dtype: torch.dtype, device: torch.device,
@@ -91,7 +118,8 @@ def backward_tile_config(dtype: torch.dtype, device: torch.device,
         return TileConfig(16, 32, 32, 32, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return TileConfig(64, 64, 32, 64, num_warps=4, num_stages=2)
-    if hidden_size is not None and hidden_size <= 1024:
+    if (hidden_size is not None and hidden_size <= 1024
+            and max_shared_mem(device) >= WIDE_TILE_MIN_SHARED_MEM):  # fmt: skip
         # narrow hidden states: 256-column tiles halve dH's atomics, 12 % faster at Gemma-3
         # (H = 640) on an H200; at H = 2304-4096 the same tiles were 6-25 % slower (register
         # pressure), so wider models keep 128 x 128 (gpu_zero_tiles.py)

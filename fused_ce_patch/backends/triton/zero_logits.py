@@ -28,9 +28,9 @@ docstring) joins the same float32 accumulators before they are rounded. Gradient
   lm_head under LoRA) the vocabulary is one group and dH is rounded once.
 
 Speed: the float32 atomics bound the backward (about ``N*H*V/64`` element adds at 128 x 128
-tiles; 128 x 256 where ``H <= 1024``); on an H200 this path is 2.4-3.8x slower than Cut
-Cross-Entropy's filtered default and 2.6-11x slower than the chunked path (BENCHMARKS.md
-"## GPU"): it is the choice when memory, not time, is short.
+tiles; 128 x 256 where ``H <= 1024`` and the GPU has the shared memory); on an H200 this path
+is 2.4-3.8x slower than Cut Cross-Entropy's filtered default and 2.6-11x slower than the
+chunked path (BENCHMARKS.md "## GPU"): it is the choice when memory, not time, is short.
 
 Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024), for the
 tiled forward and the recomputing backward; Milakov & Gimelshein (2018) for the online LSE.
