@@ -2,18 +2,14 @@
 NVIDIA GPU, here without one: Triton's NVIDIA backend lowers the kernel to PTX and its bundled
 ``ptxas`` assembles it for sm_90. The GPU suite (tests/gpu) checks the results.
 
-The compilation runs in a fresh process: the other Triton tests import the kernels under the
-interpreter (``TRITON_INTERPRET=1``), which cannot compile them.
+The compilation runs in a fresh process (tests/backends/aot.py): the other Triton tests import
+the kernels under the interpreter (``TRITON_INTERPRET=1``), which cannot compile them. Only a
+missing toolchain skips; ``ptxas`` rejecting the PTX fails.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -22,12 +18,18 @@ import pytest
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+import aot  # noqa: E402
+
 _SCRIPT = r'''
-import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fused_ce_patch.backends.triton.kernels import logits_grad_inplace_kernel
+
+why = missing_toolchain(("cuda", 90, 32))
+if why:
+    print(json.dumps({"skip": why}))
+    sys.exit(0)
 
 names = ["z_ptr", "stride_z", "labels_ptr", "lse_ptr", "nll_ptr", "loss_ptr", "coef_ptr",
          "scale_ptr", "scale_value", "n_rows", "vocab", "softcap", "label_smoothing", "z_loss"]
@@ -42,15 +44,9 @@ for fast in (False, True):
                       FAST_MATH=fast)
         signature = dict(zip(names, types)) | {k: "constexpr" for k in consts}
         src = ASTSource(fn=logits_grad_inplace_kernel, signature=signature, constexprs=consts)
-        try:
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": 4, "num_stages": 3})
-        except Exception as exc:
-            text = f"{type(exc).__name__}: {exc}"
-            if "ptxas" in text.lower() or "backend" in text.lower():
-                print(json.dumps({"skip": text[:300]}))
-                sys.exit(0)
-            raise
+        # no exception handling: ptxas rejecting the inline PTX is what this test catches
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4, "num_stages": 3})
         ptx = k.asm["ptx"]
         out[f"{fast}-{softcap}"] = {"cubin": len(k.asm["cubin"]) > 0,
                                     "ex2": "ex2.approx.ftz.f32" in ptx,
@@ -61,17 +57,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                         env.get("PYTHONPATH", "")])  # fmt: skip
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(f"cannot compile for sm_90 here: {result['skip']}")
-    return result
+    return aot.run(_SCRIPT)
 
 
 @pytest.mark.parametrize("softcap", [False, True], ids=["plain", "softcap"])
@@ -81,3 +67,40 @@ def test_row_kernel_ptx(compiled, fast_math, softcap):
     assert got["cubin"]  # ptxas accepted the inline assembly
     assert got["ex2"] == fast_math
     assert got["rcp"] == (fast_math and softcap)
+
+
+_BAD_KERNEL = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def bad_ptx_kernel(x_ptr):
+    x = tl.load(x_ptr)
+    y = tl.inline_asm_elementwise("rcp.approx.ftz.f33 $0, $1;", "=f,f", [x],
+                                  dtype=tl.float32, is_pure=True, pack=1)
+    tl.store(x_ptr, y)
+'''
+
+_BAD_SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from bad_ptx_kernel import bad_ptx_kernel
+
+why = missing_toolchain(("cuda", 90, 32))
+if why:
+    print(json.dumps({"skip": why}))
+    sys.exit(0)
+triton.compile(ASTSource(fn=bad_ptx_kernel, signature={"x_ptr": "*fp32"}),
+               target=GPUTarget("cuda", 90, 32))
+print(json.dumps({}))
+"""
+
+
+def test_rejected_ptx_fails_the_test(tmp_path):
+    """A kernel whose inline PTX ``ptxas`` rejects fails the compile tests (it used to skip
+    them, as if no toolchain were there)."""
+    (tmp_path / "bad_ptx_kernel.py").write_text(_BAD_KERNEL)
+    with pytest.raises(AssertionError, match="ptxas"):
+        aot.run(_BAD_SCRIPT, path=tmp_path)

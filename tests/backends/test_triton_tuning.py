@@ -196,6 +196,19 @@ def test_fast_math_can_only_be_turned_off(default, text):
     assert launch.row_kernel_config(V, torch.device("cpu")).fast_math is False
 
 
+@pytest.mark.parametrize("hip", [None, "7.0"], ids=["cuda", "rocm"])
+def test_fast_math_default_only_on_nvidia(monkeypatch, hip):
+    """The default row kernel carries inline PTX on NVIDIA GPUs only: ROCm's device type is
+    ``"cuda"`` too, and Triton's AMD backend does not raise on a PTX string (Triton 3.9 for
+    gfx942: LLVM prints "could not allocate output register for constraint 'f'" and the
+    compilation returns a kernel)."""
+    from fused_ce_patch.backends.triton import launch
+
+    monkeypatch.setattr(torch.version, "hip", hip)
+    cfg = launch.row_kernel_config(V, torch.device("cuda", 0))  # a device object only
+    assert cfg.fast_math is (hip is None)
+
+
 @pytest.mark.parametrize("text", BAD)
 def test_parse_tuning_rejects(text):
     with pytest.raises(ValueError, match=TUNING_ENV):
