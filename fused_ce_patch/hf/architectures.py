@@ -31,8 +31,10 @@ import functools
 import hashlib
 import importlib
 import inspect
+import marshal
 import sys
 import textwrap
+import types
 from dataclasses import dataclass, field
 
 from ..errors import UnsupportedModelError
@@ -82,10 +84,14 @@ class ArchSpec:
         transform: the logit transform, in order, e.g. ``("mul self.logit_scale",)`` or
             ``("softcap self.config.final_logit_softcapping",)``; empty for none.
         moe_aux: the forward adds a router aux loss after the loss call.
-        source_hash: sha256 (16 hex digits) of the forward's source — the key under which the
-            sweep's proof is stored (same source, same rewrite, same proof).
+        source_hash: sha256 (16 hex digits) of the raw forward's source.
+        fingerprint: sha256 (16 hex digits) of that source and of every wrapper layer around
+            it (:func:`_fingerprint`): what a proof of this spec covers.
+        wrappers: the wrapper layers between the class attribute and the raw forward, outermost
+            first (``module.qualname (file:line)``), for messages.
         stock: the stock forward (decorated, as found on the class).
-        rewritten: the compiled rewritten forward (decorated like the stock one).
+        build: ``build(helpers) -> forward``: the rewritten forward inside copies of the stock
+            forward's wrapper layers, with :mod:`.forward`'s helpers bound (one per patch).
     """
 
     class_name: str
@@ -94,8 +100,10 @@ class ArchSpec:
     transform: tuple[str, ...]
     moe_aux: bool
     source_hash: str
+    fingerprint: str
+    wrappers: tuple[str, ...]
     stock: object = field(compare=False, repr=False)
-    rewritten: object = field(compare=False, repr=False)
+    build: object = field(compare=False, repr=False)
 
     @property
     def transform_name(self) -> str:
@@ -340,9 +348,6 @@ def _derive(klass: type, stock) -> ArchSpec:
     while i < len(ops):
         kind, expr = ops[i]
         base = kind.rstrip("?")
-        if base == "float":
-            i += 1
-            continue
         if (base == "div" and i + 2 < len(ops) and ops[i + 1][0].rstrip("?") == "tanh"
                 and ops[i + 2][0].rstrip("?") == "mul"):
             folded.append(("softcap", expr, kind.endswith("?")))
@@ -351,9 +356,11 @@ def _derive(klass: type, stock) -> ArchSpec:
         folded.append((base, expr, kind.endswith("?")))
         i += 1
     for kind, expr, optional in folded:
+        # `.float()` is recorded too: a no-op for the fused loss, replayed when a call has to
+        # materialise the logits (forward.py), so they come out exactly as stock's.
         recorded.append(_assign(name, _call(
-            TRANSFORM, ast.Name(id=name, ctx=ast.Load()), ast.Constant(kind), expr,
-            ast.Constant(optional),
+            TRANSFORM, ast.Name(id=name, ctx=ast.Load()), ast.Constant(kind),
+            ast.Constant(None) if expr is None else expr, ast.Constant(optional),
         )))
 
     # The loss statement: `loss = self.loss_function(logits, labels, ...)`, possibly under
@@ -380,6 +387,7 @@ def _derive(klass: type, stock) -> ArchSpec:
             f"{where}: the loss call does not pass **kwargs (num_items_in_batch, shift_labels)"
         )
     call.func = ast.Name(id=LOSS, ctx=ast.Load())
+    call.args.insert(0, ast.Name(id="self", ctx=ast.Load()))  # the model, for its live loss
     tail = body[loss_at + 1:]
     if any(_is_self_attr(n, head_attr) for s in tail for n in ast.walk(s)):
         raise UnsupportedModelError(f"{where}: uses self.{head_attr} again after the loss")
@@ -399,21 +407,13 @@ def _derive(klass: type, stock) -> ArchSpec:
         _assign(name, _call(DONE, ast.Name(id=name, ctx=ast.Load()))),
         *tail,
     ]
-    # auto_docstring only writes the docstring (and inspects the function's file): drop it.
-    fn.decorator_list = [
-        d for d in fn.decorator_list
-        if "auto_docstring" not in ast.unparse(d.func if isinstance(d, ast.Call) else d)
-    ]
+    # Decorators are not re-applied: the stock forward's own wrapper objects are reused around
+    # the rewrite (_clone_chain), so every wrapper that runs around the stock forward runs
+    # around the fused one, whoever installed it.
+    fn.decorator_list = []
+    chain = _wrapper_chain(stock, where)
     ast.fix_missing_locations(tree)
-    module = sys.modules[raw.__module__]
-    namespace = dict(vars(module))
-    from .forward import rewrite_helpers  # late: forward imports this module
-
-    namespace.update(rewrite_helpers())
-    code = compile(tree, f"<fused_ce_patch rewrite of {raw.__module__}.{raw.__qualname__}>",
-                   "exec")
-    exec(code, namespace)  # noqa: S102 - the stock source, with the head statements swapped
-    rewritten = namespace[fn.name]
+    build = _compile_factory(tree, fn, raw, chain)
     return ArchSpec(
         class_name=klass.__name__,
         module=klass.__module__,
@@ -421,9 +421,121 @@ def _derive(klass: type, stock) -> ArchSpec:
         transform=tuple(f"{k} {ast.unparse(e)}" for k, e in transform),
         moe_aux=moe_aux,
         source_hash=hashlib.sha256(source.encode()).hexdigest()[:16],
+        fingerprint=_fingerprint(source, chain),
+        wrappers=tuple(_layer_name(layer) for layer in chain[:-1]),
         stock=stock,
-        rewritten=rewritten,
+        build=build,
     )
+
+
+def _layer_name(fn) -> str:
+    code = getattr(fn, "__code__", None)
+    where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}" \
+        f"{where}"
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _EMPTY
+
+
+_EMPTY = object()
+
+
+def _wrapper_chain(stock, where) -> list:
+    """``[stock, ..., raw]``: the forward as found on the class, down its ``__wrapped__`` links.
+
+    Every layer above the raw function must be a plain function holding the next layer in
+    exactly one closure cell (``functools.wraps`` decorators: transformers' ``can_return_tuple``
+    and ``deprecate_kwarg``, a user's logging or label-fixing wrapper): the rewrite is run
+    inside copies of those very layers. Anything else is refused, since it would run around
+    the stock forward and not around the fused one.
+    """
+    chain = [stock]
+    while hasattr(chain[-1], "__wrapped__"):
+        layer, inner = chain[-1], chain[-1].__wrapped__
+        cells = [c for c in (getattr(layer, "__closure__", None) or ())
+                 if _cell_value(c) is inner]
+        if not isinstance(layer, types.FunctionType) or len(cells) != 1:
+            raise UnsupportedModelError(
+                f"{where} is wrapped by {_layer_name(layer)}, which does not hold the function "
+                f"it wraps in its closure; fused_ce_patch cannot run that wrapper around the "
+                f"fused forward (apply fused_ce_patch before wrapping, or wrap with a closure)"
+            )
+        chain.append(inner)
+        if len(chain) > 32:
+            raise UnsupportedModelError(f"{where}: more than 32 wrapper layers")
+    return chain
+
+
+def _fingerprint(source: str, chain) -> str:
+    """sha256 (16 hex digits) of the forward's source and of every wrapper layer around it:
+    its source (or code object) and the simple values it closes over (decorator arguments)."""
+    digest = hashlib.sha256(source.encode())
+    for layer in chain[:-1]:
+        try:
+            text = inspect.getsource(layer)
+        except (OSError, TypeError):
+            text = repr(marshal.dumps(layer.__code__))
+        digest.update(f"\0{layer.__module__}.{layer.__qualname__}\0{text}".encode())
+        for cell in layer.__closure__ or ():
+            value = _cell_value(cell)
+            simple = value is None or isinstance(value, (str, int, float, bool, tuple))
+            digest.update((repr(value) if simple else type(value).__qualname__).encode())
+    return digest.hexdigest()[:16]
+
+
+def _compile_factory(tree, fn, raw, chain):
+    """``build(helpers) -> forward``: the rewritten function inside copies of the stock wrappers.
+
+    The rewritten ``def`` is compiled inside a factory whose parameters are the helper names
+    (:data:`DEFER`, ...), so the helpers are closure variables and the function's globals are
+    the modeling module's own ``__dict__``: a module global replaced after the patch (a fixed
+    ``load_balancing_loss_func``, a patched helper) is seen by the fused forward exactly as
+    by the stock one. Nothing is added to the module.
+    """
+    template = ast.parse(f"def __fused_ce_factory__({DEFER}, {TRANSFORM}, {LOSS}, {DONE}):\n"
+                         f"    pass\n")
+    factory = template.body[0]
+    factory.body = [fn, ast.Return(value=ast.Name(id=fn.name, ctx=ast.Load()))]
+    ast.fix_missing_locations(template)
+    module = sys.modules[raw.__module__]
+    code = compile(template, f"<fused_ce_patch rewrite of {raw.__module__}.{raw.__qualname__}>",
+                   "exec")
+    factory_code = next(c for c in code.co_consts
+                        if isinstance(c, types.CodeType) and c.co_name == factory.name)
+    make = types.FunctionType(factory_code, module.__dict__)
+
+    def build(helpers: dict):
+        inner = make(*(helpers[k] for k in (DEFER, TRANSFORM, LOSS, DONE)))
+        inner.__qualname__, inner.__module__, inner.__doc__ = (
+            raw.__qualname__, raw.__module__, raw.__doc__)
+        inner.__dict__.update({k: v for k, v in raw.__dict__.items() if k != "__wrapped__"})
+        return _clone_chain(chain, inner)
+
+    return build
+
+
+def _clone_chain(chain, inner):
+    """Copies of ``chain``'s wrapper layers, innermost first, each closing over the copy below
+    it instead of the stock function; ``inner`` replaces the raw stock function."""
+    for layer, wrapped in zip(reversed(chain[:-1]), reversed(chain[1:])):
+        closure = tuple(
+            types.CellType(inner) if _cell_value(c) is wrapped else c for c in layer.__closure__
+        )
+        clone = types.FunctionType(layer.__code__, layer.__globals__, layer.__name__,
+                                   layer.__defaults__, closure)
+        clone.__kwdefaults__ = layer.__kwdefaults__
+        clone.__dict__.update(layer.__dict__)
+        clone.__wrapped__ = inner
+        clone.__qualname__, clone.__module__, clone.__doc__ = (
+            layer.__qualname__, layer.__module__, layer.__doc__)
+        clone.__annotations__ = dict(getattr(layer, "__annotations__", {}) or {})
+        inner = clone
+    return inner
 
 
 def derive_spec(cls: type) -> ArchSpec:

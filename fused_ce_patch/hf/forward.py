@@ -3,40 +3,54 @@
 :func:`patched_forward` wraps an architecture's own ``forward`` (the "stock" forward). On each
 call it either hands the call to the stock forward unchanged, or runs the fused path: the
 class's stock forward as rewritten by :mod:`.architectures` — the stock code statement for
-statement (decoder call with every argument passed through, ``logits_to_keep`` slicing, MoE
-router aux loss, output class and fields), except that
+statement, run with the modeling module's live globals and inside copies of the stock
+forward's own wrapper layers (decoder call with every argument passed through,
+``logits_to_keep`` slicing, MoE router aux loss, output class and fields), except that
 
 1. ``logits = self.lm_head(hidden)`` keeps the operands (:class:`DeferredLogits`) instead of
    computing logits;
-2. each logit-transform statement (multiplier, divisor, final-logit softcap) is recorded on it;
+2. each logit-transform statement (multiplier, divisor, final-logit softcap, ``.float()``) is
+   recorded on it;
 3. ``self.loss_function(logits, labels, vocab_size, **kwargs)`` becomes
    :func:`fused_head_loss`: :func:`~fused_ce_patch.fused_linear_cross_entropy` from the hidden
    states and the head operands (:mod:`.head`), honouring ``num_items_in_batch`` /
    ``ignore_index`` / ``shift_labels`` exactly as ``ForCausalLMLoss`` does;
 4. ``logits`` is then a :class:`~fused_ce_patch.hf.sentinel.NotMaterializedLogits`.
 
-The fused path runs when labels (or ``shift_labels``) are given, the model is training, autograd
-is on, the model's loss is transformers' causal-LM loss, and neither ``return_logits=True`` nor
-``$FUSED_CE_RETURN_LOGITS`` asks for logits. ``skip_logits`` (the Trainer/TRL/Liger convention)
-overrides the mode test: ``True`` takes the fused path whenever labels are given, ``False``
-never. Source: transformers ``ForCausalLMLoss`` (``loss/loss_utils.py``, 5.17, 5.24) for the
-loss semantics; Liger Kernel ``lce_forward`` for the ``skip_logits`` convention.
+The fused path runs when ``labels`` are given, the model is training, autograd is on, and
+neither ``return_logits=True`` nor ``$FUSED_CE_RETURN_LOGITS`` asks for logits — and only while
+it computes what the live stock forward would compute at that call (design.md §5, "the live
+model is the reference"):
+
+- the loss in force (the model's own ``loss_function``, else ``LOSS_MAPPING[loss_type]``) is
+  the ``ForCausalLMLoss`` that was proven (:func:`~.loss_mapping.fused_loss_refusal`);
+- for an instance patch, the class's ``forward`` is still the one the instance was patched
+  against (a class forward wrapped or replaced later runs as stock);
+- a logit-transform operand that requires grad (a trainable ``logit_scale``) gets its exact
+  gradient: multipliers and divisors are folded into the hidden states as tensors, a softcap
+  materialises the logits (stock computation from the head call on).
+
+Otherwise the call runs the stock forward, with one warning naming the reason.
+``skip_logits`` (the Trainer/TRL/Liger convention) overrides the mode test: ``True`` takes the
+fused path whenever labels are given, ``False`` never. Source: transformers ``ForCausalLMLoss``
+(``loss/loss_utils.py``, 5.17, 5.24) for the loss semantics; Liger Kernel ``lce_forward`` for
+the ``skip_logits`` convention.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import inspect
 import os
+import warnings
 
 import torch
 
-from .architectures import ArchSpec
+from .architectures import DEFER, DONE, LOSS, TRANSFORM, ArchSpec
 from .head import fused_head_loss as _head_loss
 from .head import head_operands
-from .loss_mapping import is_causal_lm_loss
+from .loss_mapping import fused_loss_refusal
 from .sentinel import RETURN_LOGITS_ENV, NotMaterializedLogits
 
 #: Instance attribute holding an instance patch's state (options, forward it replaced).
@@ -72,6 +86,7 @@ class _ClassSlot:
 # stock forward -> (patched forward, class slot); and patched forward -> stock forward
 _PATCHED: dict = {}
 _STOCK: dict = {}
+_WARNED: set = set()
 
 
 def return_logits_from_env() -> bool:
@@ -92,6 +107,37 @@ def class_slot(stock) -> _ClassSlot:
     return _PATCHED[stock][1]
 
 
+def class_forward(cls: type):
+    """``cls.forward`` as the class defines it now, a class patch of ours looked through."""
+    for klass in cls.__mro__:
+        if "forward" in klass.__dict__:
+            return stock_forward_of(klass.__dict__["forward"])
+    return None
+
+
+def wraps_patched(fn) -> bool:
+    """True if ``fn`` is a patched forward or wraps one (``__wrapped__`` / ``__func__``)."""
+    for _ in range(32):
+        if fn is None:
+            return False
+        if fn in _STOCK:
+            return True
+        fn = getattr(fn, "__func__", None) or getattr(fn, "__wrapped__", None)
+    return False
+
+
+def warn_stock_path(model, reason: str) -> None:
+    """One ``RuntimeWarning`` per (class, reason) and process: this call runs as stock."""
+    key = (type(model).__qualname__, reason)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(
+        f"fused_ce_patch: {type(model).__name__} runs its stock forward (real logits, no memory "
+        f"saving) because {reason}.", RuntimeWarning, stacklevel=3,
+    )
+
+
 def patched_forward(stock, spec: ArchSpec):
     """The patched forward for the stock forward ``stock`` (one function per stock forward).
 
@@ -103,13 +149,19 @@ def patched_forward(stock, spec: ArchSpec):
         return _PATCHED[stock][0]
     slot = _ClassSlot()
     signature = inspect.signature(stock)
-    var_kw = next(
-        (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
-    )
+    rewritten = spec.build(_helpers(slot))
 
     @functools.wraps(stock)
     def forward(self, *args, **kwargs):
         state = self.__dict__.get(STATE_ATTR)
+        if state is not None:
+            # An instance patch shadows the class attribute: if the class's forward changed
+            # since (wrapped, replaced), the stock model would run the new one.
+            live = class_forward(type(self))
+            if live is not stock and not wraps_patched(live):
+                warn_stock_path(self, "its class's forward changed after apply_fused_ce "
+                                      "(apply_fused_ce(model) again to patch the new one)")
+                return live(self, *args, **kwargs)
         options = state.options if state is not None else slot.options
         if options is None:  # reverted: behave exactly as the stock forward
             return stock(self, *args, **kwargs)
@@ -118,25 +170,17 @@ def patched_forward(stock, spec: ArchSpec):
             return stock(self, *args, **kwargs)
         if skip_logits is None and not (self.training and torch.is_grad_enabled()):
             return stock(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        arguments = bound.arguments
-        extra = arguments.get(var_kw) or {} if var_kw else {}
-        has_labels = arguments.get("labels") is not None or extra.get("shift_labels") is not None
-        if not has_labels:
+        if signature.bind(self, *args, **kwargs).arguments.get("labels") is None:
+            # The stock forward computes a loss only when labels is given (shift_labels alone
+            # gives loss=None there too).
             if skip_logits:
-                raise ValueError("skip_logits=True needs labels or shift_labels")
+                raise ValueError("skip_logits=True needs labels")
             return stock(self, *args, **kwargs)
-        if not is_causal_lm_loss(self.loss_function):  # a custom loss needs real logits
+        reason = fused_loss_refusal(self)
+        if reason is not None:  # a custom or replaced loss needs real logits
+            warn_stock_path(self, reason)
             return stock(self, *args, **kwargs)
-        if arguments.get("labels") is None:
-            # shift_labels alone: ForCausalLMLoss ignores labels when shift_labels is given,
-            # but the stock forward only calls the loss when labels is not None.
-            arguments["labels"] = extra["shift_labels"]
-        token = _OPTIONS.set(options)
-        try:
-            return spec.rewritten(*bound.args, **bound.kwargs)
-        finally:
-            _OPTIONS.reset(token)
+        return rewritten(self, *args, **kwargs)
 
     _PATCHED[stock] = (forward, slot)
     _STOCK[forward] = stock
@@ -145,48 +189,100 @@ def patched_forward(stock, spec: ArchSpec):
 
 # -- what the rewritten forward calls in place of head, transform and loss -------------------
 
-_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("fused_ce_options", default=None)
-
 
 class DeferredLogits:
     """What ``logits = self.lm_head(hidden)`` yields in a rewritten forward: the operands only.
 
     Attributes:
+        model: the causal LM whose forward is running.
         hidden: the (already ``logits_to_keep``-sliced) hidden states ``[..., H]``.
         head: the head module (checked to be ``get_output_embeddings()``).
-        scale: product of the multipliers / reciprocal divisors seen so far (None: 1).
+        scale: product of the multipliers / reciprocal divisors seen so far: None (1), a
+            float, or a 0-d tensor when an operand requires grad.
         softcap: final-logit softcap ``c`` (None: off).
+        ops: every transform as recorded, ``(kind, operand)``, to replay on real logits.
     """
 
-    __slots__ = ("hidden", "head", "scale", "softcap", "options")
+    __slots__ = ("model", "hidden", "head", "scale", "softcap", "options", "ops")
 
-    def __init__(self, hidden, head, options):
-        self.hidden, self.head, self.options = hidden, head, options
-        self.scale, self.softcap = None, None
+    def __init__(self, model, hidden, head, options):
+        self.model, self.hidden, self.head, self.options = model, hidden, head, options
+        self.scale, self.softcap, self.ops = None, None, []
 
     def __repr__(self):
         return f"DeferredLogits(hidden={tuple(self.hidden.shape)}, scale={self.scale}, " \
                f"softcap={self.softcap})"
 
 
-def _defer(model, head, hidden):
-    options = _OPTIONS.get()
-    if options is None:  # only the patched forward calls the rewritten one
-        raise RuntimeError("fused_ce_patch: rewritten forward called outside the patch")
-    if head is not model.get_output_embeddings():
-        raise RuntimeError(
-            f"fused_ce_patch: {type(model).__name__} calls a head that is not "
-            f"get_output_embeddings(); cannot take the fused path"
-        )
-    return DeferredLogits(hidden, head, options)
+def _helpers(slot) -> dict:
+    """The functions one patched forward's rewrite calls (closure variables of the rewrite).
+
+    Options come from the model (its instance patch state) or this forward's class slot, not
+    from a context variable, so ``torch.compile`` traces the call without a graph break.
+    """
+
+    def defer(model, head, hidden):
+        state = model.__dict__.get(STATE_ATTR)
+        options = state.options if state is not None else slot.options
+        if options is None:  # only the patched forward calls the rewritten one
+            raise RuntimeError("fused_ce_patch: rewritten forward called outside the patch")
+        if head is not model.get_output_embeddings():
+            raise RuntimeError(
+                f"fused_ce_patch: {type(model).__name__} calls a head that is not "
+                f"get_output_embeddings(); cannot take the fused path"
+            )
+        return DeferredLogits(model, hidden, head, options)
+
+    # Looked up at call time, so a spy on this module's functions sees every call.
+    return {
+        DEFER: defer,
+        TRANSFORM: lambda *args: _transform(*args),
+        LOSS: lambda *args, **kwargs: _loss(*args, **kwargs),
+        DONE: lambda logits: _done(logits),
+    }
 
 
-def _transform(logits: DeferredLogits, kind: str, value, optional: bool):
-    if optional and not value:  # `if config.final_logit_softcapping is not None:` was false
+def _apply_op(logits: torch.Tensor, kind: str, value):
+    """One recorded transform on real logits, written as the stock statements are."""
+    if kind == "mul":
+        return logits * value
+    if kind == "div":
+        return logits / value
+    if kind == "softcap":
+        logits = logits / value
+        logits = torch.tanh(logits)
+        return logits * value
+    return logits.float()  # "float"
+
+
+def materialize(logits: DeferredLogits) -> torch.Tensor:
+    """The stock logits: the head module called on the hidden states, then every transform."""
+    out = logits.head(logits.hidden)
+    for kind, value in logits.ops:
+        out = _apply_op(out, kind, value)
+    return out
+
+
+def _transform(logits, kind: str, value, optional: bool):
+    if optional and (value is None or value is False or (
+            not isinstance(value, torch.Tensor) and not value)):
+        return logits  # `if config.final_logit_softcapping is not None:` was false
+    if isinstance(logits, torch.Tensor):  # already materialised: the stock statement itself
+        return _apply_op(logits, kind, value)
+    logits.ops.append((kind, value))
+    if kind == "float":
         return logits
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"fused_ce_patch: logit {kind} must be a scalar, got {value.shape}")
+        if value.requires_grad and torch.is_grad_enabled():
+            if kind == "softcap":  # no exact fused gradient for c: the stock computation
+                warn_stock_path(logits.model, "its final-logit softcap requires grad")
+                return materialize(logits)
+            # (s h) W^T + s b = s (h W^T + b): autograd gives s its exact gradient
+            factor = value.reshape(()) if kind == "mul" else 1.0 / value.reshape(())
+            logits.scale = factor if logits.scale is None else logits.scale * factor
+            return logits
         value = value.item()
     value = float(value)
     if kind == "softcap":
@@ -207,6 +303,13 @@ def _done(logits):
     return logits
 
 
+def _loss(model, *args, **kwargs):
+    logits = args[0] if args else kwargs.get("logits")
+    if isinstance(logits, DeferredLogits):
+        return fused_head_loss(*args, **kwargs)
+    return model.loss_function(*args, **kwargs)  # materialised: the stock call itself
+
+
 def fused_head_loss(
     logits: DeferredLogits,
     labels,
@@ -218,8 +321,14 @@ def fused_head_loss(
 ):
     """Stands in for ``self.loss_function(logits, labels, vocab_size, **kwargs)``.
 
-    Same arguments as transformers' ``ForCausalLMLoss``; computes the same loss with
-    :func:`~fused_ce_patch.fused_linear_cross_entropy` from the deferred head operands.
+    Same arguments and result as transformers' ``ForCausalLMLoss``, computed with
+    :func:`~fused_ce_patch.fused_linear_cross_entropy` from the deferred head operands: the
+    mean over counted positions (NaN when none counts, as stock), or ``sum /
+    num_items_in_batch`` when that is given.
+
+    Raises:
+        ValueError: neither labels nor shift_labels; labels that do not match the kept hidden
+            states; ``vocab_size`` other than the head's rows; a label outside ``[0, V)``.
     """
     hidden = logits.hidden
     if labels is None and shift_labels is None:
@@ -242,13 +351,16 @@ def fused_head_loss(
             target, shift = _shift_left(target, ignore_index), False
         target = target.reshape(h.shape[:-1])
     options = logits.options
+    scale = logits.scale
+    if isinstance(scale, torch.Tensor):  # an operand that requires grad: stays in the graph
+        scale = scale.to(h.dtype)
     # The one place the head is computed: inside its owning module's call where a wrapper
     # (FSDP, ZeRO-3) gathers the weight there, else from the weight directly (hf/head.py).
     loss, vocab = _head_loss(
         logits.head,
         h,
         target,
-        logit_scale=logits.scale,
+        logit_scale=scale,
         ignore_index=ignore_index,
         num_items_in_batch=num_items_in_batch,
         shift=shift,
@@ -258,19 +370,12 @@ def fused_head_loss(
     )
     if vocab_size is not None and int(vocab_size) != vocab:
         raise ValueError(f"fused_ce_patch: vocab_size {vocab_size} != lm_head rows {vocab}")
+    if num_items_in_batch is None:
+        # ForCausalLMLoss takes a mean: NaN when no position counts (Trainer.evaluate drops
+        # such a batch; a 0.0 would be averaged in). Gradients stay 0, as stock's do.
+        counted = (target[..., 1:] if shift else target) != ignore_index
+        loss = loss + torch.where(counted.any(), 0.0, float("nan")).to(loss.device)
     return loss
-
-
-def _loss(*args, **kwargs):
-    # Looked up at call time, so a spy on fused_head_loss (or hf.head) sees every call.
-    return fused_head_loss(*args, **kwargs)
-
-
-def rewrite_helpers() -> dict:
-    """The names :mod:`.architectures` injects into a rewritten forward's globals."""
-    from . import architectures as a
-
-    return {a.DEFER: _defer, a.TRANSFORM: _transform, a.LOSS: _loss, a.DONE: _done}
 
 
 def _shift_left(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:

@@ -168,24 +168,57 @@ def original_causal_lm_loss():
     return _loss_utils().ForCausalLMLoss
 
 
+_PROVEN: list = []
+
+
+def proven_causal_lm_loss():
+    """The ``ForCausalLMLoss`` object the fused loss stands for: the one in force when
+    fused_ce_patch first looked (before any proof ran). If it is later replaced, in
+    ``loss_utils`` or in ``LOSS_MAPPING``, the replacement is what a stock model calls, and
+    patched models step aside to it (:func:`fused_loss_refusal`)."""
+    if not _PROVEN:
+        _PROVEN.append(_loss_utils().LOSS_MAPPING.get("ForCausalLM", original_causal_lm_loss()))
+    return _PROVEN[0]
+
+
+def mapping_loss(loss_type):
+    """What ``PreTrainedModel.loss_function`` returns for a model without a loss of its own:
+    ``LOSS_MAPPING[loss_type]``, or the ``"ForCausalLM"`` entry for an unknown type
+    (transformers 5.17-5.24 ``modeling_utils.py``)."""
+    mapping = _loss_utils().LOSS_MAPPING
+    if loss_type is None or loss_type not in mapping:
+        loss_type = "ForCausalLM"
+    return mapping[loss_type]
+
+
 class InstanceLoss:
     """:func:`chunked_causal_lm_loss` as one patched model's own ``loss_function``.
 
     Installed by ``apply_fused_ce`` through transformers' ``loss_function`` setter (the
     instance's ``_loss_function``, read before ``LOSS_MAPPING`` by
-    ``PreTrainedModel.loss_function`` on 5.17 and 5.24), so no other model sees it. Copies share
-    it; pickling stores the loss the model had before the patch, or transformers'
-    ``ForCausalLMLoss`` when it had none of its own (the unpickled model is unpatched, see
-    ``_InstanceState.__reduce__``).
+    ``PreTrainedModel.loss_function`` on 5.17 and 5.24), so no other model sees it. At each
+    call it checks what the unpatched model would call now (:meth:`stock_loss`: its own loss
+    from before the patch, else ``LOSS_MAPPING[loss_type]``); when that is no longer the proven
+    ``ForCausalLMLoss`` it calls that function instead. Copies share it; pickling stores the
+    loss the model had before the patch, or transformers' ``ForCausalLMLoss`` when it had none
+    of its own (the unpickled model is unpatched, see ``_InstanceState.__reduce__``).
     """
 
-    __slots__ = ("previous",)
+    __slots__ = ("previous", "loss_type")
 
-    def __init__(self, previous):
+    def __init__(self, previous, loss_type=None):
         self.previous = previous  # the instance's own loss before the patch, or None (class's)
+        self.loss_type = loss_type
+
+    def stock_loss(self):
+        """The loss function the model would call without the patch, now."""
+        return self.previous if self.previous is not None else mapping_loss(self.loss_type)
 
     def __call__(self, *args, **kwargs):
-        return chunked_causal_lm_loss(*args, **kwargs)
+        stock = self.stock_loss()
+        if stock is proven_causal_lm_loss() or stock is chunked_causal_lm_loss:
+            return chunked_causal_lm_loss(*args, **kwargs)
+        return stock(*args, **kwargs)
 
     def __copy__(self):
         return self
@@ -207,12 +240,30 @@ def _same(value):
 
 
 def is_causal_lm_loss(fn) -> bool:
-    """True for ``ForCausalLMLoss`` and the chunked loss (the fused loss computes both)."""
-    return (
-        fn is chunked_causal_lm_loss
-        or isinstance(fn, InstanceLoss)
-        or fn is original_causal_lm_loss()
-    )
+    """True for the proven ``ForCausalLMLoss`` and the chunked loss (the fused loss computes
+    both); for an :class:`InstanceLoss`, by the loss it stands in for now."""
+    if isinstance(fn, InstanceLoss):
+        fn = fn.stock_loss()
+    return fn is chunked_causal_lm_loss or fn is proven_causal_lm_loss()
+
+
+def _describe(fn) -> str:
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{getattr(fn, '__module__', None) or '?'}.{name}"
+
+
+def fused_loss_refusal(model) -> str | None:
+    """Why ``model``'s loss in force is not the one the fused loss computes, or None.
+
+    The loss in force is what the unpatched model would call: its own ``loss_function`` (or,
+    for the loss a patch installed, what that stands in for).
+    """
+    fn = model.loss_function
+    if is_causal_lm_loss(fn):
+        return None
+    stock = fn.stock_loss() if isinstance(fn, InstanceLoss) else fn
+    return (f"its loss function in force is {_describe(stock)}, not transformers' "
+            f"ForCausalLMLoss that the fused loss computes")
 
 
 def install_instance_loss(model):
@@ -226,7 +277,7 @@ def install_instance_loss(model):
     current = model.__dict__.get("_loss_function")
     if isinstance(current, InstanceLoss):
         return current
-    installed = InstanceLoss(current)
+    installed = InstanceLoss(current, getattr(model, "loss_type", None))
     model.__dict__["_loss_function"] = installed
     return installed
 
@@ -261,7 +312,7 @@ def route_class(cls) -> None:
 
         def loss_function(self):
             fn = inherited.__get__(self, type(self))
-            if "_loss_function" not in self.__dict__ and fn is original_causal_lm_loss():
+            if "_loss_function" not in self.__dict__ and fn is proven_causal_lm_loss():
                 return chunked_causal_lm_loss
             return fn
 

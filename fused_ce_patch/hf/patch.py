@@ -36,6 +36,7 @@ from .forward import (
     is_patched_forward,
     patched_forward,
     stock_forward_of,
+    wraps_patched,
 )
 from .head import check_head
 
@@ -87,10 +88,12 @@ def _unpickled_state():
 
 
 class _InstanceState:
-    __slots__ = ("options", "slot", "previous", "installed", "loss", "owner", "__weakref__")
+    __slots__ = ("options", "slot", "previous", "installed", "loss", "owner", "stock",
+                 "__weakref__")
 
-    def __init__(self, options, slot, previous, installed, loss, owner):
+    def __init__(self, options, slot, previous, installed, loss, owner, stock=None):
         self.options = options
+        self.stock = stock  # the class forward the instance was patched against
         self.slot = slot  # "forward", or "_old_forward" under accelerate dispatch hooks
         self.previous = previous  # what was in the instance __dict__ under `slot` before
         self.installed = installed  # what apply_fused_ce put there
@@ -106,7 +109,7 @@ class _InstanceState:
         state = _InstanceState(
             copy.deepcopy(self.options, memo), self.slot,
             copy.deepcopy(self.previous, memo), copy.deepcopy(self.installed, memo),
-            self.loss, clone if isinstance(clone, nn.Module) else _NO_OWNER,
+            self.loss, clone if isinstance(clone, nn.Module) else _NO_OWNER, self.stock,
         )
         if isinstance(clone, nn.Module):
             _PATCHED_INSTANCES.add(clone)
@@ -336,6 +339,12 @@ def apply_fused_ce(
         raise TypeError(f"apply_fused_ce needs a torch.nn.Module, got {type(model).__name__}")
     options = make_options(backend, logits_budget, return_logits)
     target = unwrap_causal_lm(model)
+    if not (hasattr(target, "config") and hasattr(target, "get_output_embeddings")):
+        raise UnsupportedModelError(
+            f"fused_ce_patch cannot patch {type(target).__name__}: not a transformers causal LM "
+            f"(a PreTrainedModel with get_output_embeddings()); pass the causal LM itself, "
+            f"e.g. the model returned by AutoModelForCausalLM.from_pretrained"
+        )
     # _verified: only the parity sweep, which is what does the verifying, skips the proof.
     spec = spec_for_class(type(target), getattr(target.config, "model_type", None),
                           check_verified=not _verified)
@@ -354,10 +363,14 @@ def apply_fused_ce(
         current = target.__dict__.get(state.slot, _MISSING)
         if _is_liger(current):  # Liger replaced our forward after apply_fused_ce
             raise _liger_error(type(target).__name__, current, "on this instance")
-        state.options = options
-        logger.info("fused_ce_patch: %s already patched; options now %s",
-                    type(target).__name__, _describe(options))
-        return model
+        if state.stock is stock and wraps_patched(current):
+            state.options = options
+            logger.info("fused_ce_patch: %s already patched; options now %s",
+                        type(target).__name__, _describe(options))
+            return model
+        # The class forward changed since (or the instance forward was replaced): start over
+        # from what is there now.
+        _revert_instance(target)
 
     patched = patched_forward(stock, spec)
     # accelerate's dispatch hooks (device_map over several devices) keep the model's own
@@ -395,7 +408,8 @@ def apply_fused_ce(
             )
     target.__dict__[slot] = installed
     loss = loss_mapping.install_instance_loss(target)
-    target.__dict__[STATE_ATTR] = _InstanceState(options, slot, previous, installed, loss, target)
+    target.__dict__[STATE_ATTR] = _InstanceState(options, slot, previous, installed, loss, target,
+                                                 stock)
     _PATCHED_INSTANCES.add(target)
     if "trl" in sys.modules:
         from . import trl as trl_routing
@@ -427,6 +441,9 @@ def revert_fused_ce(
     accelerate wrapped the patched forward after :func:`apply_fused_ce`, its wrapper stays in
     place but the patched forward inside it now behaves exactly as the stock forward.
     """
+    if model is not None and not isinstance(model, (nn.Module, type)):
+        raise TypeError(f"revert_fused_ce needs a model, a model class or None, got "
+                        f"{type(model).__name__} {model!r:.80}")
     if model is None:
         for inst in list(_PATCHED_INSTANCES):
             _revert_instance(inst)
@@ -512,11 +529,17 @@ def _is_trl_head(fn) -> bool:
 def is_fused_ce_applied(model) -> bool:
     """True if ``model`` (an instance, wrappers looked through, or a class) is patched."""
     if isinstance(model, type):
-        return model in _PATCHED_CLASSES
+        owner = next((k for k in model.__mro__ if "forward" in k.__dict__), None)
+        return owner in _PATCHED_CLASSES and wraps_patched(owner.__dict__["forward"])
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"is_fused_ce_applied needs a model or a model class, got "
+                        f"{type(model).__name__}")
     target = unwrap_causal_lm(model)
-    if target.__dict__.get(STATE_ATTR) is not None:
-        return True
-    return any(c in _PATCHED_CLASSES for c in type(target).__mro__)
+    state = target.__dict__.get(STATE_ATTR)
+    if state is not None:
+        # False once another library replaced the patched forward on the instance
+        return state.options is not None and wraps_patched(target.__dict__.get(state.slot))
+    return is_fused_ce_applied(type(target))
 
 
 def _apply_to_class(model_type: str, model, backend, logits_budget, return_logits):

@@ -54,11 +54,6 @@ def _scenario(name):
         return {"input_ids": ids, "labels": ids}, {"input_ids": ids, "labels": ids}
     if name == "padded":
         return dict(b), dict(b)
-    if name == "shift_labels_only":
-        # The stock forward needs labels to compute a loss; the same loss is what it computes
-        # from unshifted labels. Equality proves the pre-shifted labels were not shifted again.
-        return ({"input_ids": ids, "attention_mask": mask, "shift_labels": shifted(labels)},
-                {"input_ids": ids, "attention_mask": mask, "labels": labels})
     if name == "labels_and_shift_labels":
         # shift_labels wins over labels (ForCausalLMLoss); unrelated labels prove it.
         other = torch.randint(0, VOCAB, labels.shape, generator=torch.Generator().manual_seed(7))
@@ -82,7 +77,7 @@ def _scenario(name):
     raise ValueError(name)
 
 
-SCENARIOS = ("labels", "padded", "shift_labels_only", "labels_and_shift_labels",
+SCENARIOS = ("labels", "padded", "labels_and_shift_labels",
              "logits_to_keep_int", "logits_to_keep_positions", "num_items_in_batch", "eval")
 
 
@@ -120,6 +115,22 @@ def test_patched_equals_stock(arch, scenario, spy, logits_loss_spy):
     assert_grads_close(model, ref)
 
 
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_shift_labels_without_labels_gives_no_loss_as_stock(mode, spy):
+    """The stock forward computes a loss only when ``labels`` is given: ``shift_labels``
+    alone gives ``loss=None`` in every mode, and so does the patched model."""
+    model, ref = patched_pair("llama")
+    b = batch()
+    kw = {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"],
+          "shift_labels": shifted(b["labels"])}
+    for m in (model, ref):
+        m.train(mode == "train")
+    want, got = ref(**kw), model(**kw)
+    assert want.loss is None and got.loss is None
+    assert spy.count == 0
+    assert isinstance(got.logits, torch.Tensor)
+
+
 @pytest.mark.skipif(not HAS_SLICE_HELPER, reason="boolean logits_to_keep needs transformers>=5.21")
 def test_logits_to_keep_boolean_mask(spy):
     model, ref = patched_pair("llama")
@@ -149,16 +160,25 @@ def test_gemma3_with_softcap(spy):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
-def test_all_ignored_labels_give_zero_loss_and_zero_grads(arch, spy):
+def test_all_ignored_labels_give_stock_nan_and_zero_grads(arch, spy):
+    """Stock's mean over no counted position is NaN with zero gradients (Trainer.evaluate drops
+    such a batch); with num_items_in_batch it is 0 / n."""
     model = build_model(arch)
+    ref = reference_copy(model)
     apply_fused_ce(model)
     b = batch()
-    out = model(input_ids=b["input_ids"], labels=torch.full_like(b["labels"], -100))
+    kw = {"input_ids": b["input_ids"], "labels": torch.full_like(b["labels"], -100)}
+    out, want = model(**kw), ref(**kw)
     assert spy.count == 1
-    assert torch.isfinite(out.loss) and out.loss.item() == 0.0
+    assert torch.isnan(want.loss) and torch.isnan(out.loss)
     out.loss.backward()
-    for name, p in model.named_parameters():
-        assert p.grad is None or not p.grad.any(), name
+    want.loss.backward()
+    for m in (model, ref):
+        for name, p in m.named_parameters():
+            assert p.grad is None or not p.grad.any(), name
+    out = model(**kw, num_items_in_batch=torch.tensor(5))
+    want = ref(**kw, num_items_in_batch=torch.tensor(5))
+    assert spy.count == 2 and out.loss.item() == 0.0 == want.loss.item()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
