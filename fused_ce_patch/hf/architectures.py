@@ -454,6 +454,13 @@ def _wrapper_chain(stock, where) -> list:
     inside copies of those very layers. Anything else is refused, since it would run around
     the stock forward and not around the fused one.
     """
+    from .forward import wraps_patched  # late: forward imports this module
+
+    if wraps_patched(stock):
+        raise UnsupportedModelError(
+            f"{where} wraps a forward patched by fused_ce_patch; revert_fused_ce(cls) before "
+            f"wrapping it, or patch the wrapped class again after reverting"
+        )
     chain = [stock]
     while hasattr(chain[-1], "__wrapped__"):
         layer, inner = chain[-1], chain[-1].__wrapped__

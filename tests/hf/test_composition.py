@@ -314,3 +314,37 @@ def test_no_warning_on_the_plain_fused_path(spy):
         warnings.simplefilter("error", RuntimeWarning)
         model(**batch()).loss.backward()
     assert spy.count == 1
+
+
+# -- Trainer.evaluate with a batch that counts no position -------------------------------------
+
+
+@pytest.mark.parametrize("how", ["flag", "apply"])
+def test_evaluate_with_an_all_ignored_batch_as_stock(how, tmp_path, spy):
+    """Stock gives NaN for that batch and Trainer drops it from eval_loss; a 0.0 would be
+    averaged in. ``flag``: loss-only evaluation on the fused path (skip_logits); ``apply``:
+    the stock forward with the patch's logits loss."""
+    from transformers import Trainer, TrainingArguments
+
+    from fused_ce_patch import FusedCETrainingArguments
+    from test_trainer import make_dataset
+
+    model = build_model("llama")
+    ref = reference_copy(model)
+    ds = make_dataset(counts=(5, 7, 0, 0, 6, 3))  # batch size 2: the second batch counts none
+
+    def args(cls, name, **extra):
+        return cls(output_dir=str(tmp_path / name), per_device_eval_batch_size=2, report_to=[],
+                   use_cpu=True, save_strategy="no", seed=0, dataloader_num_workers=0, **extra)
+
+    want = Trainer(model=ref, args=args(TrainingArguments, "r"), eval_dataset=ds).evaluate()
+    if how == "flag":
+        trainer = Trainer(model=model, args=args(FusedCETrainingArguments, "f",
+                                                 use_fused_ce=True), eval_dataset=ds)
+    else:
+        apply_fused_ce(model)
+        trainer = Trainer(model=model, args=args(TrainingArguments, "f"), eval_dataset=ds)
+    got = trainer.evaluate()
+    assert spy.count == (3 if how == "flag" else 0)
+    assert torch.isfinite(torch.tensor(want["eval_loss"]))
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=LOSS_RTOL)
