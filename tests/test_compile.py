@@ -116,6 +116,17 @@ def test_compiled_patched_model_inductor(monkeypatch):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_patched_model_compiles_without_graph_break(monkeypatch):
+    """The options reach the rewrite through the model, not a context variable: one graph."""
+    torch._dynamo.reset()
+    ids, labels = _batch()
+    model = apply_fused_ce(_tiny_llama(), backend="torch")
+    spy = OpSpy(monkeypatch)
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    assert explained.graph_count == 1 and spy.calls >= 1
+
+
 def test_trainer_torch_compile(monkeypatch, tmp_path):
     from transformers import Trainer
 
