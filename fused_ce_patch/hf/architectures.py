@@ -38,6 +38,7 @@ import types
 from dataclasses import dataclass, field
 
 from ..errors import UnsupportedModelError
+from .registry import stock_forward_of, wraps_patched
 
 # Names the rewritten forward calls; injected into its globals (see forward.py).
 DEFER = "__fused_ce_defer__"
@@ -454,8 +455,6 @@ def _wrapper_chain(stock, where) -> list:
     inside copies of those very layers. Anything else is refused, since it would run around
     the stock forward and not around the fused one.
     """
-    from .forward import wraps_patched  # late: forward imports this module
-
     if wraps_patched(stock):
         raise UnsupportedModelError(
             f"{where} wraps a forward patched by fused_ce_patch; revert_fused_ce(cls) before "
@@ -552,8 +551,6 @@ def derive_spec(cls: type) -> ArchSpec:
         UnsupportedModelError: the forward's source does not have the shape described in this
             module (the message names the statement).
     """
-    from .forward import stock_forward_of
-
     klass = _defining_class(cls)
     return _derive(klass, stock_forward_of(klass.__dict__["forward"]))
 

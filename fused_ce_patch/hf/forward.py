@@ -51,6 +51,9 @@ from .architectures import DEFER, DONE, LOSS, TRANSFORM, ArchSpec
 from .head import fused_head_loss as _head_loss
 from .head import head_operands
 from .loss_mapping import fused_loss_refusal
+from .registry import PATCHED as _PATCHED
+from .registry import STOCK as _STOCK
+from .registry import stock_forward_of, wraps_patched
 from .sentinel import RETURN_LOGITS_ENV, NotMaterializedLogits
 
 #: Instance attribute holding an instance patch's state (options, forward it replaced).
@@ -83,24 +86,12 @@ class _ClassSlot:
         self.options = None
 
 
-# stock forward -> (patched forward, class slot); and patched forward -> stock forward
-_PATCHED: dict = {}
-_STOCK: dict = {}
 _WARNED: set = set()
 
 
 def return_logits_from_env() -> bool:
     """``$FUSED_CE_RETURN_LOGITS`` set to anything but ``"" / 0 / false / no / off``."""
     return os.environ.get(RETURN_LOGITS_ENV, "").strip().lower() not in _FALSY
-
-
-def is_patched_forward(fn) -> bool:
-    return fn in _STOCK
-
-
-def stock_forward_of(fn):
-    """The stock forward behind a patched forward (``fn`` itself when not patched)."""
-    return _STOCK.get(fn, fn)
 
 
 def class_slot(stock) -> _ClassSlot:
@@ -113,17 +104,6 @@ def class_forward(cls: type):
         if "forward" in klass.__dict__:
             return stock_forward_of(klass.__dict__["forward"])
     return None
-
-
-def wraps_patched(fn) -> bool:
-    """True if ``fn`` is a patched forward or wraps one (``__wrapped__`` / ``__func__``)."""
-    for _ in range(32):
-        if fn is None:
-            return False
-        if fn in _STOCK:
-            return True
-        fn = getattr(fn, "__func__", None) or getattr(fn, "__wrapped__", None)
-    return False
 
 
 def warn_stock_path(model, reason: str) -> None:

@@ -29,15 +29,8 @@ from ..types import BackendName
 from . import loss_mapping
 from . import verified
 from .architectures import ARCHITECTURES, ArchSpec, derive_spec, supported_model_types
-from .forward import (
-    STATE_ATTR,
-    FusedCEOptions,
-    class_slot,
-    is_patched_forward,
-    patched_forward,
-    stock_forward_of,
-    wraps_patched,
-)
+from .forward import STATE_ATTR, FusedCEOptions, class_slot, patched_forward
+from .registry import is_patched_forward, stock_forward_of, wraps_patched
 from .head import check_head
 
 __all__ = [
