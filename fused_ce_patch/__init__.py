@@ -13,7 +13,12 @@ from .errors import BackendUnavailableError, LogitsNotMaterializedError, Unsuppo
 from .loss import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
 from .token_stats import ForwardGradHint, TokenStats, fused_linear_token_stats
 
-__version__ = "0.1.0"
+try:  # the installed distribution's version (pyproject.toml is the one source)
+    from importlib.metadata import PackageNotFoundError, version
+
+    __version__ = version("fused_ce_patch")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 _LAZY = {
     "apply_fused_ce": "fused_ce_patch.hf.patch",

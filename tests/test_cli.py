@@ -320,3 +320,16 @@ def test_model_path_prints_the_local_directory_of_the_real_weights():
     assert os.path.isfile(os.path.join(path, "config.json"))
     assert os.path.isfile(os.path.join(path, "model.safetensors"))
     assert str(local_model_path("smollm2")) == path
+
+
+@pytest.mark.slow
+def test_quiet_conversion_shows_no_progress_bars(tmp_path, monkeypatch, capfd):
+    """``model-path`` / ``local_model_path(quiet=True)`` print the path only: the first
+    conversion's progress bars (transformers', the GGUF reader's tqdm) are hidden."""
+    from fused_ce_patch.demo import models
+
+    monkeypatch.setenv("FUSED_CE_PATCH_CACHE", str(tmp_path))
+    path = models.local_model_path("smollm2", quiet=True)
+    assert str(path).startswith(str(tmp_path)) and (path / "config.json").is_file()
+    err = capfd.readouterr().err
+    assert "it/s" not in err and "%|" not in err, err[-500:]

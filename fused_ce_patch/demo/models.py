@@ -23,7 +23,9 @@ place, so concurrent processes (pytest workers, the demo's two runs) never see h
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -144,11 +146,13 @@ def _entry_complete(path: Path) -> bool:
     return (path / "fused_ce_patch_source.json").is_file()
 
 
-def dequantise_gguf(gguf: Path, out_dir: Path) -> None:
+def dequantise_gguf(gguf: Path, out_dir: Path, *, quiet: bool = False) -> None:
     """Load ``gguf`` with transformers (dequantising it); save model and tokenizer to ``out_dir``.
 
     The saved model is a plain float32 checkpoint with no quantisation config, so it loads as an
-    ordinary trainable model.
+    ordinary trainable model. ``quiet`` hides the load's progress bars (the GGUF reader's tqdm
+    bar ignores transformers' progress-bar switch, so the load's stderr goes to a buffer;
+    errors still raise).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -158,19 +162,22 @@ def dequantise_gguf(gguf: Path, out_dir: Path) -> None:
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    sink = contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
+        with sink:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            )
     finally:
         hf_logging.set_verbosity(verbosity)
     # The weights are dense float32 now; drop the GGUF quantiser so the model saves and trains.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
     source = {"gguf": str(gguf), "size": gguf.stat().st_size, "format": CACHE_FORMAT}
     (out_dir / "fused_ce_patch_source.json").write_text(json.dumps(source, indent=1) + "\n")
 
@@ -194,7 +201,7 @@ def cached_model_dir(gguf: Path, *, quiet: bool = False) -> Path:
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        dequantise_gguf(gguf, tmp)
+        dequantise_gguf(gguf, tmp, quiet=quiet)
         if target.exists() and not _entry_complete(target):
             shutil.rmtree(target, ignore_errors=True)
         try:
