@@ -30,6 +30,7 @@ _LAZY = {
     "apply_fused_ce_to_mistral": "fused_ce_patch.hf.patch",
     "apply_fused_ce_to_class": "fused_ce_patch.hf.patch",
     "is_fused_ce_applied": "fused_ce_patch.hf.patch",
+    "apply_fused_ce_to_loss_mapping": "fused_ce_patch.hf.loss_mapping",
     "AutoFusedCEForCausalLM": "fused_ce_patch.hf.auto",
     "FusedCETrainingArguments": "fused_ce_patch.hf.trainer",
     "FusedCECallback": "fused_ce_patch.hf.trainer",

@@ -22,10 +22,16 @@ counts ``num_items_in_batch`` with ``LOSS_MAPPING.get(model.loss_type) is ForCau
 ``loss_type``, not at ``model.loss_function``, and both are untouched, so it counts
 ``labels[..., 1:]`` as it does for the stock model (and the chunked loss shifts exactly as
 ``ForCausalLMLoss`` does).
+
+The one exception is the explicit, process-wide opt-in :func:`apply_fused_ce_to_loss_mapping`:
+it re-registers every ``LOSS_MAPPING`` alias of ``ForCausalLMLoss`` (and the name itself, so
+Trainer's identity test still holds) with this module's :func:`ForCausalLMLoss`,
+observationally identical to transformers', until ``revert_fused_ce()``.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -216,7 +222,7 @@ class InstanceLoss:
 
     def __call__(self, *args, **kwargs):
         stock = self.stock_loss()
-        if stock is proven_causal_lm_loss() or stock is chunked_causal_lm_loss:
+        if is_causal_lm_loss(stock):
             return chunked_causal_lm_loss(*args, **kwargs)
         return stock(*args, **kwargs)
 
@@ -244,7 +250,8 @@ def is_causal_lm_loss(fn) -> bool:
     both); for an :class:`InstanceLoss`, by the loss it stands in for now."""
     if isinstance(fn, InstanceLoss):
         fn = fn.stock_loss()
-    return fn is chunked_causal_lm_loss or fn is proven_causal_lm_loss()
+    return (fn is chunked_causal_lm_loss or fn is proven_causal_lm_loss()
+            or fn is ForCausalLMLoss)
 
 
 def _describe(fn) -> str:
@@ -312,7 +319,7 @@ def route_class(cls) -> None:
 
         def loss_function(self):
             fn = inherited.__get__(self, type(self))
-            if "_loss_function" not in self.__dict__ and fn is proven_causal_lm_loss():
+            if "_loss_function" not in self.__dict__ and is_causal_lm_loss(fn):
                 return chunked_causal_lm_loss
             return fn
 
@@ -334,3 +341,74 @@ def unroute_class(cls) -> None:
             del cls.loss_function
         else:
             cls.loss_function = own
+
+
+# -- the process-wide opt-in: LOSS_MAPPING itself ------------------------------------------
+
+_MAPPING_LOCK = threading.Lock()
+#: While the opt-in is active: [(namespace dict, key, original object)], in the order replaced.
+_MAPPING_SAVED: list = []
+
+
+def ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,  # noqa: N802
+                    shift_labels=None, **kwargs):
+    """transformers' ``ForCausalLMLoss`` as :func:`chunked_causal_lm_loss` computes it.
+
+    What :func:`apply_fused_ce_to_loss_mapping` puts in ``LOSS_MAPPING`` and in place of the
+    ``ForCausalLMLoss`` names. Named like the function it stands for, so that code printing or
+    comparing names sees the familiar one. Same arguments, result, NaN for an all-ignored
+    mean and exception types as transformers' (tested against it), without the float32
+    ``[tokens, vocab]`` copy of the logits.
+    """
+    return chunked_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+
+
+def apply_fused_ce_to_loss_mapping() -> None:
+    """Process-wide opt-in: every model on transformers' standard loss path gets the chunked loss.
+
+    Replaces every ``LOSS_MAPPING`` entry that is transformers' ``ForCausalLMLoss``
+    (``"ForCausalLM"``, ``"ForConditionalGeneration"``, ``"CsmForConditionalGeneration"``, ...)
+    and the ``ForCausalLMLoss`` names in ``transformers.loss.loss_utils`` and in every imported
+    ``transformers`` module that holds it (``transformers.trainer``: its
+    ``LOSS_MAPPING.get(model.loss_type) is ForCausalLMLoss`` test, which decides how Trainer
+    counts ``num_items_in_batch``, stays true) with :func:`ForCausalLMLoss` of this module.
+
+    Use it for models the forward patch refuses (``apply_fused_ce`` raises), ``trust_remote_code``
+    models, and code that calls ``self.loss_function`` on materialised logits: they keep their
+    logits, but the loss no longer makes its float32 copy (and its gradient). It does not
+    remove the logits themselves; ``apply_fused_ce`` does. Unlike everything else in
+    fused_ce_patch this changes every model in the process, until :func:`revert_fused_ce` (no
+    argument) restores every entry and name it replaced, by identity. Idempotent.
+
+    Source: Unsloth's ``patch_loss_functions`` for the idea of re-registering every alias.
+    """
+    with _MAPPING_LOCK:
+        if _MAPPING_SAVED:
+            return
+        loss_utils = _loss_utils()
+        original = loss_utils.ForCausalLMLoss
+        proven_causal_lm_loss()  # fix what the fused loss stands for before replacing names
+        for key, fn in list(loss_utils.LOSS_MAPPING.items()):
+            if fn is original:
+                _MAPPING_SAVED.append((loss_utils.LOSS_MAPPING, key, fn))
+                loss_utils.LOSS_MAPPING[key] = ForCausalLMLoss
+        for name, module in list(sys.modules.items()):
+            if (name == "transformers" or name.startswith("transformers.")) and \
+                    getattr(module, "ForCausalLMLoss", None) is original:
+                _MAPPING_SAVED.append((vars(module), "ForCausalLMLoss", original))
+                vars(module)["ForCausalLMLoss"] = ForCausalLMLoss
+
+
+def revert_loss_mapping() -> None:
+    """Undo :func:`apply_fused_ce_to_loss_mapping` (entries changed since are left alone)."""
+    with _MAPPING_LOCK:
+        while _MAPPING_SAVED:
+            namespace, key, original = _MAPPING_SAVED.pop()
+            if namespace.get(key) is ForCausalLMLoss:
+                namespace[key] = original
+
+
+def loss_mapping_patched() -> bool:
+    """True while :func:`apply_fused_ce_to_loss_mapping` is in effect."""
+    return bool(_MAPPING_SAVED)

@@ -27,6 +27,7 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from ..types import BackendName
 from . import loss_mapping
+from .loss_mapping import apply_fused_ce_to_loss_mapping  # noqa: F401 - public, re-exported
 from . import verified
 from .architectures import ARCHITECTURES, ArchSpec, derive_spec, supported_model_types
 from .forward import STATE_ATTR, FusedCEOptions, class_slot, patched_forward
@@ -43,6 +44,7 @@ __all__ = [
     "apply_fused_ce_to_mistral",
     "apply_fused_ce_to_class",
     "is_fused_ce_applied",
+    "apply_fused_ce_to_loss_mapping",
     "FusedCEOptions",
 ]
 
@@ -446,6 +448,8 @@ def revert_fused_ce(
         _revert_class(model)
     else:
         _revert_instance(unwrap_causal_lm(model))
+    if model is None:
+        loss_mapping.revert_loss_mapping()
     if not _PATCHED_INSTANCES and "fused_ce_patch.hf.trl" in sys.modules:
         sys.modules["fused_ce_patch.hf.trl"].release()
     return model
