@@ -47,6 +47,8 @@ default config): it replaces the same forward at ``train()`` time.
 
 from __future__ import annotations
 
+import copy
+import copyreg
 import functools
 import logging
 import sys
@@ -116,9 +118,34 @@ class FusedCEArgumentsMixin:
 
     def __post_init__(self):
         super().__post_init__()
-        # Fail at argument parsing, not later inside Trainer.__init__.
+        # Fail at argument parsing, not later inside Trainer.__init__. A string is not a bool
+        # ("no" is truthy); HfArgumentParser converts command-line strings before this.
+        for name in ("use_fused_ce", "fused_ce_return_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         make_options(self.fused_ce_backend, self.fused_ce_logits_budget,
                      self.fused_ce_return_logits)
+
+    # Trainer saves its arguments with pickle (checkpoint-*/training_args.bin). They pickle as
+    # the stock class they extend, without the flag's fields, so a checkpoint loads wherever
+    # transformers (and TRL, for its configs) does, with or without fused_ce_patch; copies
+    # within the process keep the class and the flag.
+    def __reduce_ex__(self, protocol):
+        base = next(k for k in type(self).__mro__
+                    if issubclass(k, TrainingArguments) and not issubclass(k, FusedCEArgumentsMixin))
+        state = {k: v for k, v in self.__dict__.items() if k not in _FLAG_FIELDS}
+        return copyreg._reconstructor, (base, object, None), state
+
+    def __copy__(self):
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        return clone
+
+    def __deepcopy__(self, memo):
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
 
     # Trainer.__init__ reads `should_save` just after building its callback handler: the one
     # moment the arguments can see the Trainer and add the callback the flag needs.
@@ -143,6 +170,10 @@ class FusedCEArgumentsMixin:
                     "callbacks=[FusedCECallback()] to the Trainer"
                 )
         return super().train_batch_size
+
+
+_FLAG_FIELDS = ("use_fused_ce", "fused_ce_backend", "fused_ce_logits_budget",
+                "fused_ce_return_logits")
 
 
 @dataclass
@@ -244,6 +275,12 @@ class FusedCECallback(TrainerCallback):
             return
         _check_liger(args)
         options = self._options(args)
+        refusal = _refusal(model)
+        if refusal is not None:
+            # As Trainer's use_liger_kernel and AutoFusedCEForCausalLM do: say so, train stock.
+            logger.warning("fused_ce_patch: use_fused_ce is on but %s; training it unpatched",
+                           refusal)
+            return
         trainer = _calling_trainer(depth=6)
         before = None
         if trainer is not None and "trl" in sys.modules and not options["return_logits"] \
@@ -259,11 +296,29 @@ class FusedCECallback(TrainerCallback):
             _install_prediction_step(trainer)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if model is not None and self._is_enabled(args) and not is_fused_ce_applied(model):
+        if model is not None and self._is_enabled(args) and not is_fused_ce_applied(model) \
+                and _refusal(model) is None:
             logger.warning(
                 "fused_ce_patch: the model was not patched at train begin; patching it now"
             )
             apply_fused_ce(model, **self._options(args))
+
+
+def _refusal(model) -> str | None:
+    """Why ``apply_fused_ce`` would refuse ``model`` (a short reason), or None."""
+    from ..errors import UnsupportedModelError
+    from .patch import spec_for_class
+
+    target = unwrap_causal_lm(model)
+    if not callable(getattr(target, "get_output_embeddings", None)) or \
+            target.get_output_embeddings() is None:
+        return (f"{type(target).__name__} has no vocabulary head (lm_head), so there is no "
+                f"causal-LM loss to fuse")
+    try:
+        spec_for_class(type(target), getattr(getattr(target, "config", None), "model_type", None))
+    except UnsupportedModelError as exc:
+        return f"{type(target).__name__} is not supported ({str(exc).split('; ')[0][:300]})"
+    return None
 
 
 def _check_liger(args) -> None:

@@ -3,6 +3,7 @@ and short errors that name another library's forward wrapper."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -142,18 +143,72 @@ def test_liger_fused_loss_conflict_is_a_short_error(tmp_path):
     assert is_fused_ce_applied(model)
 
 
-def test_generated_config_class_pickles(tmp_path):
+@dataclasses.dataclass
+class PickleConfig(TrainingArguments):
+    """A config class of another library (module level: pickle finds it by name)."""
+
+
+def test_generated_config_class_pickles_as_its_stock_base(tmp_path):
+    import copy
     import pickle
-    from dataclasses import dataclass
-
-    @dataclass
-    class PickleConfig(TrainingArguments):
-        pass
-
     import sys
 
     cfg_cls = fused_ce_config(PickleConfig)
     args = cfg_cls(output_dir=str(tmp_path), use_fused_ce=True, use_cpu=True, report_to=[])
-    back = pickle.loads(pickle.dumps(args))  # what Trainer's training_args.bin needs
-    assert type(back) is cfg_cls and back.use_fused_ce
+    back = pickle.loads(pickle.dumps(args))  # what Trainer's training_args.bin holds
+    assert type(back) is PickleConfig and not hasattr(back, "use_fused_ce")
+    assert back.output_dir == args.output_dir and back.use_cpu
+    for clone in (copy.copy(args), copy.deepcopy(args)):  # copies in the process keep the flag
+        assert type(clone) is cfg_cls and clone.use_fused_ce
     assert getattr(sys.modules["fused_ce_patch.hf.trainer"], cfg_cls.__name__) is cfg_cls
+
+
+def test_checkpoint_arguments_load_without_the_plugin(tmp_path):
+    """training_args.bin of a flagged run loads where fused_ce_patch cannot be imported."""
+    import subprocess
+    import sys
+
+    args = _args(FusedCETrainingArguments, tmp_path, use_fused_ce=True)
+    path = tmp_path / "training_args.bin"
+    torch.save(args, path)
+    code = (
+        "import sys; sys.modules['fused_ce_patch'] = None\n"  # import blocked
+        "import torch, transformers\n"
+        f"a = torch.load({str(path)!r}, weights_only=False)\n"
+        "assert type(a) is transformers.TrainingArguments, type(a)\n"
+        "print(a.max_steps)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().endswith("2")
+
+
+@pytest.mark.parametrize("field", ["use_fused_ce", "fused_ce_return_logits"])
+@pytest.mark.parametrize("value", ["no", "yes", 1, None])
+def test_bool_fields_must_be_bools(field, value, tmp_path):
+    with pytest.raises(TypeError, match=field):
+        _args(FusedCETrainingArguments, tmp_path, **{field: value})
+
+
+def test_flag_on_a_model_without_a_vocabulary_head_warns_and_trains(tmp_path, caplog):
+    """A reward model (TRL's RewardTrainer): one short warning, no patch, training runs."""
+    import logging
+
+    from transformers import LlamaForSequenceClassification
+
+    from hf_helpers import tiny_config
+    from test_trainer import make_dataset
+
+    torch.manual_seed(0)
+    cfg = tiny_config("llama", num_labels=1, pad_token_id=0)
+    model = LlamaForSequenceClassification(cfg)
+    rows = [{"input_ids": r["input_ids"], "attention_mask": r["attention_mask"],
+             "labels": torch.tensor(float(i % 2))} for i, r in enumerate(make_dataset())]
+    with caplog.at_level(logging.WARNING, logger="fused_ce_patch"):
+        trainer = Trainer(model=model, train_dataset=rows,
+                          args=_args(FusedCETrainingArguments, tmp_path, use_fused_ce=True))
+    trainer.train()
+    warned = [r.getMessage() for r in caplog.records if "use_fused_ce" in r.getMessage()]
+    assert len(warned) == 1 and len(warned[0]) < 400, warned
+    assert not is_fused_ce_applied(model)
