@@ -212,3 +212,23 @@ def test_flag_on_a_model_without_a_vocabulary_head_warns_and_trains(tmp_path, ca
     warned = [r.getMessage() for r in caplog.records if "use_fused_ce" in r.getMessage()]
     assert len(warned) == 1 and len(warned[0]) < 400, warned
     assert not is_fused_ce_applied(model)
+
+
+def test_trl_parser_recipe_reads_the_flag_from_the_command_line_and_yaml(tmp_path):
+    """design.md's two-line recipe for TRL's own parser (``trl sft`` cannot take our flag)."""
+    pytest.importorskip("trl")
+    try:
+        from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+    except ImportError as exc:  # an older trl without one of these names
+        pytest.skip(f"this trl lacks {exc.name or exc}")
+
+    parser = TrlParser((fused_ce_config(SFTConfig), ScriptArguments, ModelConfig))
+    cfg, *_ = parser.parse_args_and_config(
+        ["--output_dir", str(tmp_path), "--use_fused_ce", "--use_cpu", "--bf16", "false",
+         "--dataset_name", "x"])
+    assert cfg.use_fused_ce is True
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(f"output_dir: {tmp_path}\nuse_fused_ce: true\nuse_cpu: true\nbf16: false\n"
+                    f"dataset_name: x\n")
+    cfg, *_ = parser.parse_args_and_config(["--config", str(yaml)])
+    assert cfg.use_fused_ce is True
