@@ -56,8 +56,9 @@ def test_patches_never_touch_loss_mapping():
 
 
 def _stock_behaviour(model):
-    """What a never-patched model's stock loss does with two inputs the fused loss treats
-    differently: NaN for an all-ignored batch, IndexError for a label >= V."""
+    """What a never-patched model's stock loss does with two edge inputs: NaN for an
+    all-ignored batch, IndexError for a label >= V (the chunked loss now matches both; the
+    spy counts show which loss ran)."""
     model.eval()
     b = batch()
     with torch.no_grad():
