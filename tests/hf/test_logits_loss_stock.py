@@ -206,3 +206,37 @@ def test_trainer_evaluate_all_ignored_batch_gives_stock_eval_loss(tmp_path, logi
     assert logits_loss_spy.count > 0  # the patched model's eval loss is the chunked one
     assert math.isfinite(want)
     assert got == pytest.approx(want, rel=1e-5)
+
+
+# -- memory: no float32 copy of the logits -----------------------------------------------------
+
+
+def test_no_float32_copy_of_the_logits_forward_or_backward(monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Float32Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    rows = 5
+    monkeypatch.setattr(loss_mapping, "CHUNK_BYTES", 4 * V * rows)
+    logits = torch.randn(4, 16, V).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, V, (4, 16))
+    for n in (None, 0):  # the ordinary path and the inf-scaled gradient
+        spy = Float32Sizes()
+        with spy:
+            loss = chunked_causal_lm_loss(logits, labels, V, num_items_in_batch=n)
+            torch.autograd.grad(loss, logits)
+        assert 0 < spy.largest <= rows * V, (n, spy.largest)  # stock: 64 * V
+    with Float32Sizes() as spy:
+        torch.autograd.grad(stock(logits, labels, V), logits)
+    assert spy.largest == 64 * V  # the copy this loss avoids (the spy can see it)
