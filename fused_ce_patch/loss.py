@@ -138,7 +138,6 @@ def fused_linear_cross_entropy(
     )
 
     impl = backends.resolve(backend, hidden.device, hidden.dtype)
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     problem = Problem(
         hidden=hidden,
         weight=weight,

@@ -46,8 +46,8 @@ def _eager(hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f, 
 def linear_cross_entropy(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
     num_items_t: Optional[Tensor], num_items_i: Optional[int], num_items_f: Optional[float],
-    ignore_index: int, reduction: str, shift: bool, softcap: Optional[float], label_smoothing: float, z_loss: float,
-    logits_budget: Optional[int], backend: str,
+    ignore_index: int, reduction: str, shift: bool, softcap: Optional[float],
+    label_smoothing: float, z_loss: float, logits_budget: Optional[int], backend: str,
 ) -> Tensor:
     """``fused_linear_cross_entropy`` with every option positional (see loss.py)."""
     with torch.no_grad():
@@ -69,8 +69,8 @@ def _(hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f, ignor
 def linear_cross_entropy_backward(
     grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
     num_items_t: Optional[Tensor], num_items_i: Optional[int], num_items_f: Optional[float],
-    ignore_index: int, reduction: str, shift: bool, softcap: Optional[float], label_smoothing: float, z_loss: float,
-    logits_budget: Optional[int], backend: str,
+    ignore_index: int, reduction: str, shift: bool, softcap: Optional[float],
+    label_smoothing: float, z_loss: float, logits_budget: Optional[int], backend: str,
 ) -> list[Tensor]:
     """``[d hidden, d weight]`` (``+ [d bias]``) of the loss for the upstream gradient ``grad``."""
     inputs = [hidden.detach().requires_grad_(), weight.detach().requires_grad_()]
