@@ -177,3 +177,27 @@ def test_token_stats_flags_must_be_bool(flag, value):
         fused_linear_token_stats(hidden, weight, labels, **{flag: value})
     stats = fused_linear_token_stats(hidden, weight, labels, **{flag: False})
     assert getattr(stats, "is_top1" if flag == "accuracy" else flag) is None
+
+
+def test_tensor_num_items_is_read_in_the_labels_one_sync():
+    """The divisor joins the label statistics' single ``.tolist()``: no ``.item()`` of it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpLog(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    hidden, weight, labels = _inputs()
+    for n in (torch.tensor(7.25), torch.tensor(-3, dtype=torch.int32), torch.tensor(0.0)):
+        with OpLog() as log:
+            got = fused_linear_cross_entropy(hidden, weight, labels, num_items_in_batch=n,
+                                             backend="torch")
+        assert "_local_scalar_dense" not in log.ops, log.ops
+        total = fused_linear_cross_entropy(hidden, weight, labels, reduction="sum")
+        expected = total / n.float()
+        assert got == expected or relative_error(got, expected) <= TOL32
