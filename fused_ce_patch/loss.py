@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 
 import torch
 from torch import nn
 
 from . import backends
 from .backends.base import LossSpec, Problem
+from .backends.nonfinite_scale import run_nonfinite_scale
 from .types import BackendName, Reduction
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -50,20 +52,25 @@ def fused_linear_cross_entropy(
         weight: ``[V, H]`` lm_head weight, same dtype and device as ``hidden`` (outside
             autocast; under ``torch.autocast`` both are cast as ``lm_head(hidden)`` would be,
             and gradients flow back to the original parameters).
-        labels: ``[...]`` (``hidden.shape[:-1]``) integer class indices in ``[0, V)`` or
-            ``ignore_index``; int64, int32 accepted.
+        labels: ``[...]`` (``hidden.shape[:-1]``) int64 or int32 class indices in
+            ``[0, V)`` or ``ignore_index`` (other integer dtypes are refused: a uint8 or int8
+            tensor cannot hold ``-100`` and is most likely a mask passed by mistake).
         bias: ``[V]`` lm_head bias, or None.
         ignore_index: int label value of positions that add nothing to the loss, the counts
             or any gradient.
         reduction: ``"mean"`` (over counted positions; 0.0 with zero gradients when none is
             counted, unlike torch's NaN), ``"sum"``, or ``"none"`` (``labels``-shaped losses,
             0 at ignored positions, float32).
-        num_items_in_batch: if given (int, finite float, or a tensor with one element on any
-            device and of any number dtype), the result is ``sum / num_items_in_batch`` —
-            transformers' convention for exact gradient accumulation. A value <= 0 (only a
-            batch without any counted position gives one) counts as 1, so the result is 0.0
-            rather than NaN.
-            Not allowed with ``reduction="none"``.
+        num_items_in_batch: if given (a Python/NumPy int or float, or a tensor with one
+            element, of an integer or floating dtype, on any device), the result is
+            ``sum / num_items_in_batch`` — transformers' convention for exact gradient
+            accumulation — for every value, as stock computes it: 0 gives inf (NaN when the
+            sum is 0), a negative value a negative loss, NaN gives NaN, inf gives 0; the
+            gradient is autograd's of that division (see
+            :mod:`fused_ce_patch.backends.nonfinite_scale` for 0 and NaN). A tensor's value
+            is read in float32 (the dtype of the sum); the result stays 0-d float32 (float64
+            for float64 inputs) whatever the divisor's shape or dtype. Not allowed with
+            ``reduction="none"``.
         shift: causal shift: position ``t`` predicts ``labels[..., t + 1]``; the last position
             of each sequence predicts nothing. **Pass True when ``labels`` are the input ids**
             (the usual causal-LM call): without it the result is a different loss, and no
@@ -94,8 +101,10 @@ def fused_linear_cross_entropy(
             and V); mismatched shapes (names both); unknown reduction or backend (lists the
             valid ones); an option out of range; meta-device (data-less) tensors.
         TypeError: ``hidden``, ``weight`` and ``bias`` dtypes differ outside autocast; labels
-            not integer; inputs not floating point; an option of the wrong type (a bool for
-            any numeric option, a float ``ignore_index`` or ``logits_budget``).
+            not int64/int32; inputs not floating point; an option of the wrong type (a bool
+            for any numeric option, a float ``ignore_index`` or ``logits_budget``; a
+            ``num_items_in_batch`` that is not a real number or a one-element tensor of an
+            integer or floating dtype: bool, complex, str).
         BackendUnavailableError: the requested backend cannot run on this device.
 
     Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024) for
@@ -124,10 +133,11 @@ def fused_linear_cross_entropy(
     if shift:
         labels = _shift(labels, ignore_index)
     flat_labels = labels.reshape(-1)
-    valid_rows, n_valid = _check_labels(flat_labels, weight.shape[0], ignore_index)
+    valid_rows, n_valid, num_items = _check_labels_and_num_items(
+        flat_labels, weight.shape[0], ignore_index, num_items_in_batch
+    )
 
     impl = backends.resolve(backend, hidden.device, hidden.dtype)
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     problem = Problem(
         hidden=hidden,
         weight=weight,
@@ -142,11 +152,14 @@ def fused_linear_cross_entropy(
             z_loss=float(z_loss),
         ),
         reduction="none" if reduction == "none" else "sum",
-        scale=_scale(reduction, num_items_in_batch, n_valid, hidden.device, acc),
+        scale=_scale(reduction, num_items, n_valid),
         logits_budget=logits_budget,
     )
     with torch.autocast(hidden.device.type, enabled=False):
-        out = impl.run(problem)
+        if math.isfinite(problem.scale):
+            out = impl.run(problem)
+        else:  # num_items_in_batch is 0 or NaN: inf/NaN as stock, and stock's gradient
+            out = run_nonfinite_scale(problem, impl)
     if reduction == "none":
         return out.view(labels.shape)
     return out
@@ -245,17 +258,7 @@ def _check_options(reduction, backend, num_items, softcap, label_smoothing, z_lo
     if num_items is not None:
         if reduction == "none":
             raise ValueError("num_items_in_batch cannot be combined with reduction='none'")
-        if isinstance(num_items, torch.Tensor):
-            if num_items.numel() != 1:
-                raise ValueError(
-                    f"num_items_in_batch must hold one number, got shape "
-                    f"{tuple(num_items.shape)}"
-                )
-        elif not _is_number(num_items, numbers.Real):
-            raise _number_error("num_items_in_batch", num_items,
-                                "an int, a float or a one-element tensor")
-        elif not math.isfinite(num_items):
-            raise ValueError(f"num_items_in_batch must be finite, got {num_items}")
+        _check_num_items(num_items)
     if softcap is not None:
         if not _is_number(softcap, numbers.Real):
             raise _number_error("softcap", softcap, "None or a number")
@@ -270,6 +273,30 @@ def _check_options(reduction, backend, num_items, softcap, label_smoothing, z_lo
     if not 0.0 <= z_loss < math.inf:
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
     check_logits_budget(budget)
+
+
+def _check_num_items(num_items) -> None:
+    """Type and size of ``num_items_in_batch`` (any value of a real number is valid).
+
+    Raises:
+        TypeError: a bool, complex, str or other non-real value, or a bool/complex tensor.
+        ValueError: a tensor with more or fewer than one element.
+    """
+    if isinstance(num_items, torch.Tensor):
+        if num_items.dtype == torch.bool or num_items.is_complex():
+            raise TypeError(
+                f"num_items_in_batch must be a real number (an integer or floating tensor), "
+                f"got a {num_items.dtype} tensor"
+            )
+        if num_items.numel() != 1:
+            raise ValueError(
+                f"num_items_in_batch must hold one number, got shape {tuple(num_items.shape)}"
+            )
+    # SymInt / SymFloat: a Python number that torch.compile traces symbolically
+    elif not (_is_number(num_items, numbers.Real)
+              or isinstance(num_items, (torch.SymInt, torch.SymFloat))):
+        raise _number_error("num_items_in_batch", num_items,
+                            "a real number (int or float) or a one-element tensor")
 
 
 def check_logits_budget(budget) -> None:
@@ -351,8 +378,10 @@ def _check_tensors(hidden, weight, labels, bias):
                 "would"
             )
             raise TypeError(f"hidden is {hidden.dtype} but {name} is {t.dtype}; {hint}")
-    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
-        raise TypeError(f"labels must be an integer tensor (int64 or int32), got {labels.dtype}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(
+            f"labels must be an integer tensor of dtype int64 or int32, got {labels.dtype}"
+        )
     for name, t in (("weight", weight), ("labels", labels), ("bias", bias)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"hidden is on {hidden.device} but {name} is on {t.device}")
@@ -375,12 +404,37 @@ def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int):
     count already on the host, so no second sync follows (``nonzero`` would sync again while
     the device sits idle before the loss's first matmul); only when some rows are ignored.
     """
+    valid_rows, n_valid, _ = _check_labels_and_num_items(labels, vocab, ignore_index, None)
+    return valid_rows, n_valid
+
+
+def _check_labels_and_num_items(labels, vocab: int, ignore_index: int, num_items):
+    """:func:`_check_labels`, and ``num_items_in_batch`` as a Python float (a tensor's value
+    taken in float32, the dtype of the sum it divides).
+
+    A ``num_items_in_batch`` tensor on the labels' device joins the labels' one host
+    synchronisation: its float32 bits ride along with the int64 label statistics (float64
+    is not available on every device type), so knowing it on the host costs no extra sync.
+    """
     n = labels.shape[0]
+    items_t = None
+    if isinstance(num_items, torch.Tensor):
+        items_t = num_items.detach().reshape(()).to(torch.float32)
+        if items_t.device.type == "cpu" and labels.device.type != "cpu":
+            num_items, items_t = items_t.item(), None  # on the host already: no sync
     if n == 0:
-        return labels.new_empty(0), 0
+        if items_t is not None:
+            num_items = items_t.item()
+        return labels.new_empty(0), 0, _as_float(num_items)
     counted = labels != ignore_index
     lo, hi = torch.aminmax(torch.where(counted, labels, 0))
-    lo, hi, n_valid = torch.stack([lo, hi, counted.sum()]).tolist()
+    stats = [lo, hi, counted.sum()]
+    if items_t is not None:
+        stats.append(items_t.to(labels.device).view(torch.int32).to(torch.int64))
+    values = torch.stack(stats).tolist()
+    lo, hi, n_valid = values[:3]
+    if items_t is not None:
+        num_items = struct.unpack("<f", struct.pack("<I", values[3] & 0xFFFFFFFF))[0]
     if lo < 0 or hi >= vocab:
         bad = lo if lo < 0 else hi
         raise ValueError(
@@ -391,7 +445,11 @@ def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int):
         valid_rows = torch.arange(n, device=labels.device)
     else:
         valid_rows = _counted_rows(counted, n_valid)
-    return valid_rows, n_valid
+    return valid_rows, n_valid, _as_float(num_items)
+
+
+def _as_float(value):
+    return None if value is None else float(value)
 
 
 def _counted_rows(counted: torch.Tensor, n_valid: int) -> torch.Tensor:
@@ -402,16 +460,14 @@ def _counted_rows(counted: torch.Tensor, n_valid: int) -> torch.Tensor:
         return counted.nonzero().squeeze(1)
 
 
-def _scale(reduction, num_items, n_valid, device, dtype):
+def _scale(reduction, num_items, n_valid) -> float:
+    """Multiplier of the loss sum: ``1 / num_items_in_batch`` for every value (inf for 0,
+    NaN for NaN, 0 for inf, keeping the sign of a signed zero), else ``1 / counted`` for a
+    mean (1 with no counted position: the documented 0.0), else 1."""
     if num_items is not None:
-        if isinstance(num_items, torch.Tensor):
-            # non_blocking only towards an accelerator: a non-blocking copy to the host may
-            # be read before it lands.
-            n = num_items.detach().reshape(()).to(
-                device=device, dtype=dtype, non_blocking=device.type != "cpu"
-            )
-            return 1.0 / torch.where(n > 0, n, 1.0)
-        return 1.0 / float(num_items) if num_items > 0 else 1.0
+        if num_items == 0:
+            return math.copysign(math.inf, num_items)
+        return 1.0 / num_items  # NaN stays NaN, inf gives 0.0
     if reduction == "mean":
         return 1.0 / max(n_valid, 1)
     return 1.0

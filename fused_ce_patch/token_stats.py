@@ -20,6 +20,7 @@ from .loss import (
     _autocast,
     _check_ignore_index,
     _check_labels,
+    _check_real_tensors,
     _check_shift,
     _check_tensors,
     _is_number,
@@ -115,7 +116,7 @@ def fused_linear_token_stats(
         hidden: ``[..., H]`` float16, bfloat16, float32 or float64.
         weight: ``[V, H]`` lm_head weight, same dtype and device (under ``torch.autocast``
             both are cast as ``lm_head(hidden)`` would be).
-        labels: ``[...]`` = ``hidden.shape[:-1]`` integer labels in ``[0, V)`` or
+        labels: ``[...]`` = ``hidden.shape[:-1]`` int64 or int32 labels in ``[0, V)`` or
             ``ignore_index``.
         bias: ``[V]`` or None.
         ignore_index: label of positions that are not scored.
@@ -149,9 +150,11 @@ def fused_linear_token_stats(
 
     Raises:
         ValueError: label out of range (names it and V), shape mismatch (names both), unknown
-            backend, bad ``softcap`` / ``logit_scale`` / ``temperature`` / ``logits_budget``.
-        TypeError: dtype mismatch outside autocast, non-integer labels, a ``grad_hint`` that
-            is not a :class:`ForwardGradHint`.
+            backend, bad ``softcap`` / ``logit_scale`` / ``temperature`` / ``logits_budget``,
+            a meta-device (data-less) tensor.
+        TypeError: dtype mismatch outside autocast, labels not int64/int32, a ``grad_hint``
+            that is not a :class:`ForwardGradHint`, an ``entropy`` / ``accuracy`` /
+            ``mean_logits`` / ``log_sum_sq_probs`` that is not a bool (``"no"`` is truthy).
         BackendUnavailableError: the requested backend cannot run here.
 
     Source: the blockwise log-sum-exp of Wijmans et al., "Cut Your Losses in Large-Vocabulary
@@ -159,11 +162,17 @@ def fused_linear_token_stats(
     head (``trl.trainer.utils.add_fused_lm_head``, trl 1.16).
     """
     _check_options(softcap, logit_scale, temperature, logits_budget, backend)
+    for name, value in (("entropy", entropy), ("accuracy", accuracy),
+                        ("mean_logits", mean_logits), ("log_sum_sq_probs", log_sum_sq_probs)):
+        if not isinstance(value, bool):  # "no" is truthy: it would compute the field
+            raise TypeError(f"{name} must be True or False, got {type(value).__name__} "
+                            f"{value!r}")
     if grad_hint is not None and not isinstance(grad_hint, ForwardGradHint):
         raise TypeError(f"grad_hint must be None or a ForwardGradHint, got "
                         f"{type(grad_hint).__name__}")
     ignore_index = _check_ignore_index(ignore_index)
     _check_shift(shift)
+    _check_real_tensors(hidden, weight, labels, bias)  # before autocast, which rejects meta
     hidden, weight, bias = _autocast(hidden, weight, bias)
     _check_tensors(hidden, weight, labels, bias)
     if labels.dtype != torch.int64:

@@ -14,7 +14,8 @@ returns before looking in ``LOSS_MAPPING`` on 5.17 and 5.24); a class patch
 (``apply_fused_ce_to_<arch>()``) puts a ``loss_function`` property on that class only
 (:func:`route_class`). ``LOSS_MAPPING`` and the ``ForCausalLMLoss`` names stay transformers'
 own objects, so a never-patched model, before, during or after a patch, computes exactly the
-stock loss (NaN for an all-ignored mean, ``IndexError`` for a label >= V).
+stock loss; and the chunked loss itself gives stock's results and exception types (NaN for an
+all-ignored mean, ``IndexError`` for a label outside ``[0, V)``).
 
 The Trainer identity test stays true for the same reason: ``Trainer.__init__`` decides how it
 counts ``num_items_in_batch`` with ``LOSS_MAPPING.get(model.loss_type) is ForCausalLMLoss``
@@ -35,6 +36,7 @@ import sys
 import threading
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import raise_if_double_backward
 
@@ -43,15 +45,16 @@ CHUNK_BYTES = 64 * 2**20
 
 
 class _LogitsCrossEntropy(torch.autograd.Function):
-    """Sum over rows of ``scale * CE(logits[r], labels[r])``, chunked over rows.
+    """Sum over rows of ``CE(logits[r], labels[r])``, chunked over rows.
 
     forward(logits [N, V] any float dtype, labels [N] int64 with -1 at ignored rows,
-    scale float or 0-d tensor, chunk_rows int) -> 0-d float32. Like ``ForCausalLMLoss``
-    (``logits.float()``), the arithmetic is float32 whatever the logits' dtype.
+    chunk_rows int) -> 0-d float32. Like ``ForCausalLMLoss`` (``logits.float()``), the
+    arithmetic is float32 whatever the logits' dtype. The caller divides (by the count or by
+    ``num_items_in_batch``) with autograd, as ``F.cross_entropy`` / ``fixed_cross_entropy`` do.
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, scale, chunk_rows):
+    def forward(ctx, logits, labels, chunk_rows):
         acc = torch.float32
         n = logits.shape[0]
         lse = torch.empty(n, dtype=acc, device=logits.device)
@@ -65,9 +68,8 @@ class _LogitsCrossEntropy(torch.autograd.Function):
             zy = z.gather(1, labels[r0:r1].clamp(min=0).unsqueeze(1)).squeeze(1)
             total += torch.where(valid[r0:r1], lse_c - zy, 0.0).sum()
         ctx.save_for_backward(logits, labels, lse)
-        ctx.scale = scale
         ctx.chunk_rows = chunk_rows
-        return total * scale
+        return total
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -75,7 +77,7 @@ class _LogitsCrossEntropy(torch.autograd.Function):
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
         valid = labels >= 0
-        coef = grad_out * ctx.scale
+        s = grad_out.to(lse.dtype)
         n = logits.shape[0]
         for r0 in range(0, n, ctx.chunk_rows):
             r1 = min(r0 + ctx.chunk_rows, n)
@@ -83,10 +85,12 @@ class _LogitsCrossEntropy(torch.autograd.Function):
             # ops below would overwrite the caller's logits.
             p = (logits[r0:r1].to(lse.dtype) - lse[r0:r1].unsqueeze(1)).exp_()
             y = labels[r0:r1].clamp(min=0).unsqueeze(1)
-            p.scatter_add_(1, y, -torch.ones_like(y, dtype=p.dtype))
-            p.mul_(valid[r0:r1].to(p.dtype).unsqueeze(1)).mul_(coef)
-            grad[r0:r1] = p
-        return grad, None, None, None
+            # log-softmax's backward as torch forms it: p * s everywhere, then -s at the
+            # target (so an infinite s gives NaN there, as stock does, not s * (p - 1)).
+            p.mul_(s).scatter_add_(1, y, (-s).expand(y.shape).contiguous())
+            # ignored rows get an exact 0 even when s is inf or NaN (nll_loss skips them)
+            grad[r0:r1] = torch.where(valid[r0:r1].unsqueeze(1), p, 0.0)
+        return grad, None, None
 
 
 def chunked_causal_lm_loss(
@@ -100,36 +104,56 @@ def chunked_causal_lm_loss(
 ) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` computed in row chunks, without a float32 logits copy.
 
-    Same call and same result as ``transformers.loss.loss_utils.ForCausalLMLoss``: labels are
+    Observationally identical to ``transformers.loss.loss_utils.ForCausalLMLoss``: labels are
     shifted left by one (the last position predicts nothing) unless ``shift_labels`` is given,
-    ignored positions add nothing, and the result is ``sum / num_items_in_batch`` when that is
-    given, else the mean over counted positions.
+    ignored positions add nothing, and the result is the mean over counted positions (NaN
+    when none is counted, as ``F.cross_entropy``; Trainer's evaluation drops such batches)
+    or, when ``num_items_in_batch`` is given, ``sum / num_items_in_batch`` evaluated by the
+    very expression transformers uses (so every value, dtype and shape of it behaves as
+    stock: 0 gives inf, NaN gives NaN, a ``[1]`` tensor a ``[1]`` loss, a float64 tensor a
+    float64 loss). Gradients are autograd's of that division over the chunked sum, whose
+    backward forms the log-softmax gradient as torch does.
+
+    Inputs the chunked path does not take (logits that are not a floating tensor or whose
+    ``[-1, V]`` view fails, labels that are not int64, a non-int ``ignore_index`` or
+    ``vocab_size``, neither labels nor shift_labels) go to ``ForCausalLMLoss`` itself, so its
+    exceptions and results are stock's.
 
     Args:
         logits: ``[..., V]`` logits in any float dtype (kept in it; chunks are upcast).
-        labels: ``[...]`` int labels (unshifted), or None when ``shift_labels`` is given.
+        labels: ``[...]`` int64 labels (unshifted), or None when ``shift_labels`` is given.
         vocab_size: ``V``.
-        num_items_in_batch: int or one-element tensor; the divisor for exact gradient
-            accumulation (0 or less, which only an empty batch gives, counts as 1).
+        num_items_in_batch: the divisor for exact gradient accumulation, or None (mean).
         ignore_index: label value of positions that count for nothing.
         shift_labels: ``[...]`` labels already shifted by the caller (never shifted again).
         **kwargs: ignored, as in ``ForCausalLMLoss``.
 
     Returns:
-        0-d float32 loss (float32 arithmetic for every logits dtype, as ``ForCausalLMLoss``).
+        float32 loss (float32 arithmetic for every logits dtype, as ``ForCausalLMLoss``); 0-d
+        unless ``num_items_in_batch``'s shape or dtype makes stock's division give another.
 
     Raises:
-        ValueError: a label outside ``[0, V)`` that is not ``ignore_index``.
-
-    Deviation: with no counted position and no ``num_items_in_batch`` the result is 0.0 with
-    zero gradients (``ForCausalLMLoss`` gives NaN), as everywhere in fused_ce_patch, so a fully
-    padded micro-batch cannot poison gradient accumulation.
+        IndexError: a label outside ``[0, V)`` that is not ``ignore_index`` (the type
+            ``F.cross_entropy`` raises on CPU; this message names the value and V, on every
+            device).
+        ValueError: labels and logits hold different numbers of positions (as stock).
     """
-    if shift_labels is None:
-        pad = labels.new_full((*labels.shape[:-1], 1), ignore_index)
-        shift_labels = torch.cat([labels[..., 1:], pad], dim=-1)
-    flat = logits.reshape(-1, vocab_size)
-    target = shift_labels.reshape(-1).to(device=flat.device, dtype=torch.long)
+    target = labels if shift_labels is None else shift_labels
+    if not _chunkable(logits, target, vocab_size, ignore_index):
+        return original_causal_lm_loss()(
+            logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+            ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,
+        )
+    try:  # stock views (after logits.float(), which keeps a dense tensor's strides)
+        flat = logits.view(-1, vocab_size)
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+        target = shift_labels.view(-1).to(flat.device)
+    except RuntimeError:
+        return original_causal_lm_loss()(
+            logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+            ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,
+        )
     if target.shape[0] != flat.shape[0]:
         raise ValueError(
             f"Expected input batch_size ({flat.shape[0]}) to match target batch_size "
@@ -137,27 +161,34 @@ def chunked_causal_lm_loss(
             f"{tuple(shift_labels.shape)}"
         )
     counted = target != ignore_index
-    lo_hi = torch.stack(torch.aminmax(torch.where(counted, target, 0))) if target.numel() else None
-    n_valid = int(counted.sum())
-    if lo_hi is not None and n_valid:
-        lo, hi = (int(v) for v in lo_hi.tolist())
-        if lo < 0 or hi >= vocab_size:
+    count = counted.sum()
+    if target.numel():
+        lo, hi, n_valid = torch.stack(
+            [*torch.aminmax(torch.where(counted, target, 0)), count]).tolist()
+        if n_valid and (lo < 0 or hi >= vocab_size):
             bad = lo if lo < 0 else hi
-            raise ValueError(
+            raise IndexError(
                 f"label {bad} is outside [0, V) with V = {vocab_size} and is not "
                 f"ignore_index = {ignore_index}"
             )
     target = torch.where(counted, target, -1)
-    if num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, torch.Tensor):
-            n = num_items_in_batch.detach().reshape(()).to(flat.device).float()
-            scale = 1.0 / torch.where(n > 0, n, 1.0)
-        else:
-            scale = 1.0 / num_items_in_batch if num_items_in_batch > 0 else 1.0
-    else:
-        scale = 1.0 / max(n_valid, 1)
     chunk_rows = max(1, CHUNK_BYTES // (4 * max(vocab_size, 1)))
-    return _LogitsCrossEntropy.apply(flat, target, scale, chunk_rows)
+    total = _LogitsCrossEntropy.apply(flat, target, chunk_rows)
+    if num_items_in_batch is None:
+        return total / count  # F.cross_entropy's mean: NaN when nothing is counted
+    # transformers' fixed_cross_entropy, verbatim in effect
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def _chunkable(logits, target, vocab_size, ignore_index) -> bool:
+    """Whether the chunked path takes this call (else ``ForCausalLMLoss`` does)."""
+    return (
+        isinstance(logits, torch.Tensor) and logits.is_floating_point() and logits.dim() >= 1
+        and isinstance(target, torch.Tensor) and target.dtype == torch.int64
+        and type(ignore_index) is int and type(vocab_size) is int and vocab_size > 0
+    )
 
 
 # -- routing: which models use the chunked loss -------------------------------------------

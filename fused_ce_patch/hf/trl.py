@@ -19,7 +19,8 @@ module attributes is replaced by a router that computes with
 :func:`~fused_ce_patch.fused_linear_token_stats` when the ``weight`` it receives is the lm_head
 weight of a patched instance, and calls TRL's own function, unchanged, for every other model —
 so a model that was never patched sees TRL's exact behaviour. The originals come back when the
-last patched instance is reverted. All five fields of trl 1.16 are produced; a field a later TRL
+last patched instance is reverted or garbage-collected (a ``weakref.finalize`` per patched
+instance), whichever comes first. All five fields of trl 1.16 are produced; a field a later TRL
 adds that we do not know goes to TRL's kernel for that call, with one log message. Class-level
 patches (``apply_fused_ce_to_<arch>``) are not routed: they have no instance to recognise the
 weight by. Nor is an FSDP2 head: TRL hands the kernel ``weight.full_tensor()``, a new tensor, so
@@ -188,7 +189,9 @@ _TARGETS = (
 
 
 def install() -> None:
-    """Put the routers in place in every TRL module already imported (idempotent)."""
+    """Put the routers in place in every TRL module already imported (idempotent), and watch
+    every patched instance so that the originals come back when the last one is garbage
+    collected, reverted or not."""
     for module_name, attr, make in _TARGETS:
         module = sys.modules.get(module_name)
         if module is None or (module_name, attr) in _ORIGINALS:
@@ -198,15 +201,51 @@ def install() -> None:
             continue
         _ORIGINALS[(module_name, attr)] = original
         setattr(module, attr, make(original))
+    if _ORIGINALS:
+        _watch_patched_instances()
 
 
 def release() -> None:
-    """Give TRL its exact objects back (called when no patched instance is left)."""
-    for (module_name, attr), original in list(_ORIGINALS.items()):
-        module = sys.modules.get(module_name)
-        if module is not None:
-            setattr(module, attr, original)
-        del _ORIGINALS[(module_name, attr)]
+    """Give TRL its exact objects back (called when no patched instance is left).
+
+    Safe to re-enter (a finalizer may run it while another call is in progress)."""
+    for key in list(_ORIGINALS):
+        original = _ORIGINALS.pop(key, None)
+        module = sys.modules.get(key[0])
+        if original is not None and module is not None:
+            setattr(module, key[1], original)
+
+
+_WATCHED: weakref.WeakSet = weakref.WeakSet()  # patched instances that carry a finalizer
+
+
+def _watch_patched_instances() -> None:
+    """Give each patched instance (deep copies included) a finalizer that releases TRL's
+    attributes if it was the last one. The finalizer holds no reference to the model and does
+    not run at interpreter exit (nothing needs restoring then)."""
+    from . import patch
+
+    for model in list(patch._PATCHED_INSTANCES):
+        if model not in _WATCHED:
+            _WATCHED.add(model)
+            weakref.finalize(model, _instance_gone).atexit = False
+
+
+def _instance_gone() -> None:
+    """Finalizer of a patched instance. It runs wherever the garbage collector happens to
+    run, so it is tiny and never raises: release when no patched instance is left (the dead
+    one is already out of the weak set), else watch the survivors (a deep copy made after
+    the last ``install``)."""
+    try:
+        patch = sys.modules.get("fused_ce_patch.hf.patch")
+        if not _ORIGINALS or patch is None:
+            return
+        if any(True for _ in patch._PATCHED_INSTANCES):
+            _watch_patched_instances()
+        else:
+            release()
+    except Exception:  # noqa: BLE001 - a finalizer must not raise into arbitrary code
+        pass
 
 
 def is_installed() -> bool:

@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten
 
 from fused_ce_patch import fused_linear_cross_entropy
 from fused_ce_patch.backends import registry
+from fused_ce_patch.numerics import relative_error
 
 pytestmark = pytest.mark.usefixtures("seed", "one_thread")
 
@@ -267,9 +268,12 @@ def test_all_ignored(case, reduction, opts):
     grads = torch.autograd.grad(out.sum(), [hidden, weight, bias])
     for g in grads:
         assert (g == 0).all()
-    if reduction != "none":
-        out = case.loss(hidden, weight, labels, reduction=reduction, num_items_in_batch=0)
-        assert out == 0 and not out.isnan()
+    if reduction != "none":  # stock: 0 / 0
+        out = case.loss(hidden, weight, labels, bias=bias, reduction=reduction,
+                        num_items_in_batch=0, **opts)
+        assert out.isnan()
+        for g in torch.autograd.grad(out, [hidden, weight, bias]):
+            assert (g == 0).all()
 
 
 def test_empty_input(case):
@@ -366,6 +370,64 @@ def test_num_items_in_batch(case, oracle, kind, reduction):
     mean = case.loss(hidden, weight, labels, reduction="sum") / n
     got = case.loss(hidden, weight, labels, reduction=reduction, num_items_in_batch=num)
     assert oracle.rel_err(got, mean) <= TOL[torch.float32]
+
+
+#: Values of num_items_in_batch where stock's ``sum / n`` is not an ordinary mean.
+EDGE_NUM_ITEMS = {
+    "0": 0,
+    "-0.0": -0.0,
+    "nan": math.nan,
+    "inf": math.inf,
+    "-3": -3,
+    "tensor-0": lambda: torch.tensor(0),
+    "tensor-nan": lambda: torch.tensor(math.nan),
+    "tensor[1]-(-2.5)-float64": lambda: torch.tensor([-2.5], dtype=torch.float64),
+}
+
+
+def assert_same_ieee(a, b, tol, what):
+    """NaN and ±inf at the same places, finite entries within ``tol`` (relative)."""
+    a, b = a.detach().double().cpu().reshape(b.shape), b.detach().double().cpu()
+    assert torch.equal(a.isnan(), b.isnan()), f"{what}: NaN at other places: {a} vs {b}"
+    assert torch.equal(a.isposinf(), b.isposinf()) and torch.equal(a.isneginf(), b.isneginf()), (
+        f"{what}: inf at other places: {a} vs {b}")
+    fin = b.isfinite()
+    if fin.any() and b[fin].abs().max() > 0:
+        err = relative_error(a[fin], b[fin])
+        assert err <= tol, f"{what}: relative error {err:.3g}"
+    else:
+        assert (a[fin] == 0).all(), what
+
+
+@pytest.mark.parametrize("upstream", [0.7, 0.0])
+@pytest.mark.parametrize("value", EDGE_NUM_ITEMS)
+def test_num_items_in_batch_every_value_as_stock(case, value, upstream):
+    """``sum / num_items_in_batch`` as transformers computes it, for 0, -0.0, NaN, inf and
+    negative divisors too (inf, NaN, a negative loss), with autograd's gradient of that
+    division over ``F.cross_entropy(reduction="sum")`` (NaN at an inf-scaled target)."""
+    lead, h, v = case.pick(((2, 7), 16, 53), ((2, 5), 8, 17))
+    dtype = case.exact
+    hidden, weight, labels, bias = make(case, lead, h, v, dtype=dtype, bias=True)
+    n = EDGE_NUM_ITEMS[value]
+    n = n() if callable(n) else n
+    if isinstance(n, torch.Tensor):
+        n = n.to(case.device)
+    got = case.loss(hidden, weight, labels, bias=bias, shift=True, num_items_in_batch=n)
+    assert got.shape == () and got.dtype == (torch.float64 if dtype == torch.float64
+                                             else torch.float32)
+    up = torch.tensor(upstream, dtype=got.dtype, device=got.device)
+    g_got = torch.autograd.grad(got, [hidden, weight, bias], up)
+    # stock: materialised float64 logits, F.cross_entropy(sum) / n, autograd
+    z = hidden.double() @ weight.double().t() + bias.double()
+    y = torch.cat([labels[:, 1:], labels.new_full((lead[0], 1), -100)], dim=1)
+    total = F.cross_entropy(z.reshape(-1, v), y.reshape(-1), reduction="sum")
+    want = total / (n.to(torch.float64) if isinstance(n, torch.Tensor) else n)
+    g_want = torch.autograd.grad(want, [hidden, weight, bias],
+                                 torch.full_like(want, upstream))
+    tol = TOL[dtype]
+    assert_same_ieee(got, want, tol, "loss")
+    for name, a, b in zip(("hidden", "weight", "bias"), g_got, g_want):
+        assert_same_ieee(a, b, tol, f"d{name}")
 
 
 # -- gradients ------------------------------------------------------------------------------
