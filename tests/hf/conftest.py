@@ -24,6 +24,14 @@ def logits_loss_spy(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _fresh_stock_path_warnings(monkeypatch):
+    """The stock-path warning is once per class and reason and process: each test sees its own."""
+    from fused_ce_patch.hf import forward
+
+    monkeypatch.setattr(forward, "_WARNED", set())
+
+
+@pytest.fixture(autouse=True)
 def _clean_patches(monkeypatch):
     """Every test ends with nothing patched; no test may change LOSS_MAPPING at all."""
     import transformers.loss.loss_utils as loss_utils

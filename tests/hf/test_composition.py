@@ -35,13 +35,6 @@ from hf_helpers import (
 LLAMA = transformers.LlamaForCausalLM
 
 
-@pytest.fixture(autouse=True)
-def _fresh_warnings(monkeypatch):
-    from fused_ce_patch.hf import forward
-
-    monkeypatch.setattr(forward, "_WARNED", set())  # each test sees its own first warning
-
-
 @pytest.fixture
 def restore_llama_forward():
     original = LLAMA.__dict__["forward"]
