@@ -108,6 +108,9 @@ class _InstanceState:
         )
         if isinstance(clone, nn.Module):
             _PATCHED_INSTANCES.add(clone)
+            trl_routing = sys.modules.get("fused_ce_patch.hf.trl")
+            if trl_routing is not None:  # the copy keeps TRL's routers alive like the original
+                trl_routing._watch_patched_instances()
         return state
 
     def __reduce__(self):
