@@ -11,6 +11,7 @@ from importlib import import_module
 
 from .errors import BackendUnavailableError, LogitsNotMaterializedError, UnsupportedModelError
 from .loss import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
+from . import ops  # noqa: F401 - registers the custom op the loss calls under torch.compile
 from .token_stats import ForwardGradHint, TokenStats, fused_linear_token_stats
 
 try:  # the installed distribution's version (pyproject.toml is the one source)

@@ -119,9 +119,7 @@ def fused_linear_cross_entropy(
     _check_real_tensors(hidden, weight, labels, bias)  # before autocast, which rejects meta
     hidden, weight, bias = _autocast(hidden, weight, bias)
     if torch.compiler.is_compiling():  # Dynamo: one opaque custom op, no graph break (ops.py)
-        from .ops import traced_call
-
-        return traced_call(
+        return _TRACED_CALL[0](
             hidden, weight, labels, bias=bias, ignore_index=ignore_index, reduction=reduction,
             num_items_in_batch=num_items_in_batch, shift=shift, softcap=softcap,
             label_smoothing=label_smoothing, z_loss=z_loss, logits_budget=logits_budget,
@@ -246,15 +244,31 @@ def _check_shift(shift) -> None:
         raise TypeError(f"shift must be True or False, got {type(shift).__name__} {shift!r}")
 
 
+#: What a call under Dynamo runs instead of the backend: ``ops.traced_call``, registered by
+#: :mod:`fused_ce_patch.ops` when the package is imported (ops depends on this module, not
+#: the other way round).
+_TRACED_CALL: list = []
+
+
+def register_traced_call(fn) -> None:
+    """Set the function :func:`fused_linear_cross_entropy` hands its call to under Dynamo."""
+    _TRACED_CALL[:] = [fn]
+
+
+def check_backend_name(backend) -> None:
+    """Raise ``ValueError`` (listing the valid names) unless ``backend`` names a backend."""
+    if backend not in backends.backend_names():
+        raise ValueError(
+            f"unknown backend {backend!r}; valid: {', '.join(backends.backend_names())}"
+        )
+
+
 def _check_options(reduction, backend, num_items, softcap, label_smoothing, z_loss, budget):
     """Options of one call. Type first (``TypeError``: bools are refused for every numeric
     option, so ``softcap=True`` cannot mean 1.0), then range (``ValueError``)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(REDUCTIONS)}")
-    if backend not in backends.backend_names():
-        raise ValueError(
-            f"unknown backend {backend!r}; valid: {', '.join(backends.backend_names())}"
-        )
+    check_backend_name(backend)
     if num_items is not None:
         if reduction == "none":
             raise ValueError("num_items_in_batch cannot be combined with reduction='none'")

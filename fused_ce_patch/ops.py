@@ -26,13 +26,13 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
+from .loss import fused_linear_cross_entropy, register_traced_call
+
 _NAMESPACE = "fused_ce"
 
 
 def _eager(hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f, ignore_index,
            reduction, shift, softcap, label_smoothing, z_loss, logits_budget, backend):
-    from .loss import fused_linear_cross_entropy
-
     num_items = next((n for n in (num_items_t, num_items_i, num_items_f) if n is not None), None)
     return fused_linear_cross_entropy(
         hidden, weight, labels, bias=bias, ignore_index=ignore_index, reduction=reduction,
@@ -138,3 +138,6 @@ def traced_call(hidden, weight, labels, *, bias, ignore_index, reduction, num_it
         reduction, bool(shift), None if softcap is None else float(softcap),
         float(label_smoothing), float(z_loss), logits_budget, backend,
     )
+
+
+register_traced_call(traced_call)

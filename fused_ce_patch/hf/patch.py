@@ -31,6 +31,7 @@ from .loss_mapping import apply_fused_ce_to_loss_mapping  # noqa: F401 - public,
 from . import verified
 from .architectures import ARCHITECTURES, ArchSpec, derive_spec, supported_model_types
 from .forward import STATE_ATTR, FusedCEOptions, class_slot, patched_forward
+from . import registry
 from .registry import is_patched_forward, stock_forward_of, wraps_patched
 from .head import check_head
 
@@ -50,32 +51,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-class _Missing:
-    """Marks "no entry in the instance __dict__"; survives copy/deepcopy/pickle as itself."""
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        return "_MISSING"
-
-    def __repr__(self):
-        return "<missing>"
-
-
-_MISSING = _Missing()
-
-
 class _NoOwner:
     """Stands in for the owner of a state deep-copied without its model."""
 
 
 _NO_OWNER = _NoOwner()
-_PATCHED_INSTANCES: weakref.WeakSet = weakref.WeakSet()
-_PATCHED_CLASSES: set = set()
+_PATCHED_INSTANCES = registry.PATCHED_INSTANCES
+_PATCHED_CLASSES = registry.PATCHED_CLASSES
+_MISSING = registry.MISSING
 
 
 def _unpickled_state():
@@ -120,11 +103,9 @@ class _InstanceState:
 
 
 def make_options(backend, logits_budget, return_logits) -> FusedCEOptions:
-    from ..backends import backend_names
-    from ..loss import check_logits_budget
+    from ..loss import check_backend_name, check_logits_budget
 
-    if backend not in backend_names():
-        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(backend_names())}")
+    check_backend_name(backend)
     check_logits_budget(logits_budget)
     if not isinstance(return_logits, bool):  # "no" is truthy: it would silently keep logits
         raise TypeError(f"return_logits must be True or False, got {return_logits!r}")
@@ -361,7 +342,8 @@ def apply_fused_ce(
         current = target.__dict__.get(state.slot, _MISSING)
         if _is_liger(current):  # Liger replaced our forward after apply_fused_ce
             raise _liger_error(type(target).__name__, current, "on this instance")
-        if state.stock is stock and wraps_patched(current):
+        if state.stock is stock and (current is state.installed or wraps_patched(current)
+                                     or _is_trl_head(current)):
             state.options = options
             logger.info("fused_ce_patch: %s already patched; options now %s",
                         type(target).__name__, _describe(options))
@@ -538,7 +520,10 @@ def is_fused_ce_applied(model) -> bool:
     state = target.__dict__.get(STATE_ATTR)
     if state is not None:
         # False once another library replaced the patched forward on the instance
-        return state.options is not None and wraps_patched(target.__dict__.get(state.slot))
+        current = target.__dict__.get(state.slot, _MISSING)
+        # TRL's own fused head (kept, or put on after the patch) is routed to fused_ce_patch
+        return state.options is not None and (current is state.installed or wraps_patched(current)
+                                              or _is_trl_head(current))
     return is_fused_ce_applied(type(target))
 
 

@@ -71,10 +71,10 @@ def _once(key, msg, *args):
 def _patched_owner(weight):
     """``(model, options)`` of the patched instance whose lm_head weight is ``weight``, else
     None."""
-    from . import patch
+    from . import registry
     from .forward import STATE_ATTR
 
-    for model in list(patch._PATCHED_INSTANCES):
+    for model in list(registry.PATCHED_INSTANCES):
         state = model.__dict__.get(STATE_ATTR)
         if state is None or state.options.return_logits:
             continue
@@ -84,7 +84,7 @@ def _patched_owner(weight):
             continue
         if head is not None and getattr(head, "weight", None) is weight:
             return model, state.options
-    if patch._PATCHED_CLASSES:
+    if registry.PATCHED_CLASSES:
         _once("class", "fused_ce_patch: a class-level patch does not reach TRL's fused LM head; "
               "use apply_fused_ce(model) (or the Trainer flag) to have TRL compute with "
               "fused_ce_patch")
@@ -223,9 +223,9 @@ def _watch_patched_instances() -> None:
     """Give each patched instance (deep copies included) a finalizer that releases TRL's
     attributes if it was the last one. The finalizer holds no reference to the model and does
     not run at interpreter exit (nothing needs restoring then)."""
-    from . import patch
+    from . import registry
 
-    for model in list(patch._PATCHED_INSTANCES):
+    for model in list(registry.PATCHED_INSTANCES):
         if model not in _WATCHED:
             _WATCHED.add(model)
             weakref.finalize(model, _instance_gone).atexit = False
@@ -237,10 +237,10 @@ def _instance_gone() -> None:
     one is already out of the weak set), else watch the survivors (a deep copy made after
     the last ``install``)."""
     try:
-        patch = sys.modules.get("fused_ce_patch.hf.patch")
-        if not _ORIGINALS or patch is None:
+        registry = sys.modules.get("fused_ce_patch.hf.registry")
+        if not _ORIGINALS or registry is None:
             return
-        if any(True for _ in patch._PATCHED_INSTANCES):
+        if any(True for _ in registry.PATCHED_INSTANCES):
             _watch_patched_instances()
         else:
             release()
@@ -321,7 +321,7 @@ def convert_nll_sft_trainer(trainer, target) -> object | None:
         head, sys.modules["peft"].tuners.tuners_utils.BaseTunerLayer
     ):
         return None
-    from .patch import _MISSING
+    from .registry import MISSING as _MISSING
 
     before = target.__dict__.get("forward", _MISSING)
     chunk = getattr(module, "_CHUNKED_LM_HEAD_CHUNK_SIZE", 256)
