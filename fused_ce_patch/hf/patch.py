@@ -168,9 +168,11 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
 
 
 def _supported_list() -> str:
-    # No fixed list: any class whose installed forward passes the proof (hf/proof.py) is
-    # patched; the table records which types passed on which transformers releases.
-    return "see README's support table (types proven on each transformers release)"
+    # No fixed list: any class whose forward derives and passes the proof (hf/proof.py) is
+    # patched; README's table records which types passed on which transformers releases.
+    named = ", ".join(repr(t) for t in ARCHITECTURES)
+    return (f"any whose forward derives and passes the parity proof, e.g. {named} (README's "
+            f"support table lists those proven on each transformers release)")
 
 
 def _spec_for(model: nn.Module) -> ArchSpec:

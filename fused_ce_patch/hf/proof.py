@@ -33,6 +33,7 @@ The parity sweep (:mod:`.sweep`) runs :func:`prove` for every registry type with
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import hashlib
 import inspect
@@ -49,7 +50,7 @@ import torch
 
 from ..errors import UnsupportedModelError
 
-__all__ = ["ensure_proven", "prove", "cache_dir", "disk_key", "clear_memo"]
+__all__ = ["ensure_proven", "prove", "proving", "cache_dir", "disk_key", "clear_memo"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,14 @@ SUPPORT_TABLE = ("README's support table lists the model types proven on each tr
                  "release")
 
 _MEMO: dict = {}
+_PROVING: contextvars.ContextVar = contextvars.ContextVar("fused_ce_proving", default=False)
+
+
+def proving() -> bool:
+    """True while :func:`prove` runs its tiny models (in this thread / context), so that
+    instrumentation of the fused loss (a test's spy, a user's counter) can tell the proof's
+    calls from the model's."""
+    return _PROVING.get()
 
 
 def clear_memo() -> None:
@@ -215,12 +224,14 @@ def _isolated():
                                            "fused_ce_patch.hf.loss_mapping")]
     for lg in ours:
         lg.addFilter(quiet)
+    token = _PROVING.set(True)
     try:
         with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
                 warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
+        _PROVING.reset(token)
         for lg in ours:
             lg.removeFilter(quiet)
         hf_logging.set_verbosity(verbosity)
