@@ -213,7 +213,8 @@ class _DropRecords(logging.Filter):
 
 @contextlib.contextmanager
 def _isolated():
-    """Forked RNG, grad on, default dtype and warning filters restored, our logs held back."""
+    """Forked RNG, grad on, CPU and float32 defaults (the caller's restored), warnings and
+    transformers' notes silenced, our logs about the tiny copy held back."""
     from transformers.utils import logging as hf_logging
 
     dtype = torch.get_default_dtype()
@@ -226,7 +227,9 @@ def _isolated():
         lg.addFilter(quiet)
     token = _PROVING.set(True)
     try:
-        with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
+        torch.set_default_dtype(torch.float32)  # a tiny model as transformers builds it
+        # CPU whatever the caller's default device (the batches use a CPU generator)
+        with torch.random.fork_rng(devices=[]), torch.enable_grad(), torch.device("cpu"), \
                 warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield

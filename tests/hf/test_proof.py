@@ -271,11 +271,15 @@ def test_no_side_effects(next_release):
     filters = list(warnings.filters)
     verbosity = hf_logging.get_verbosity()
     head_fn = hf_head.fused_linear_cross_entropy
-    with torch.no_grad():  # apply_fused_ce may be called anywhere
-        proof.ensure_proven(cls, spec, "llama")
-        assert not torch.is_grad_enabled()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.no_grad(), torch.device("meta"):  # apply_fused_ce may be called anywhere
+            proof.ensure_proven(cls, spec, "llama")
+            assert not torch.is_grad_enabled() and torch.empty(1).device.type == "meta"
+        assert torch.get_default_dtype() is torch.float64
+    finally:
+        torch.set_default_dtype(torch.float32)
     assert torch.equal(torch.get_rng_state(), rng)
-    assert torch.get_default_dtype() is torch.float32
     assert warnings.filters == filters and hf_logging.get_verbosity() == verbosity
     assert not logging.getLogger("fused_ce_patch.hf.patch").filters
     assert hf_head.fused_linear_cross_entropy is head_fn
