@@ -219,14 +219,14 @@ def _isolated():
 
     dtype = torch.get_default_dtype()
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the tiny config's notes are not about the user's model
     quiet = _DropRecords()
     ours = [logging.getLogger(n) for n in ("fused_ce_patch.hf.patch", "fused_ce_patch.hf.trl",
                                            "fused_ce_patch.hf.loss_mapping")]
-    for lg in ours:
-        lg.addFilter(quiet)
     token = _PROVING.set(True)
     try:
+        hf_logging.set_verbosity_error()  # the tiny config's notes are not about the user's model
+        for lg in ours:
+            lg.addFilter(quiet)
         torch.set_default_dtype(torch.float32)  # a tiny model as transformers builds it
         # CPU whatever the caller's default device (the batches use a CPU generator)
         with torch.random.fork_rng(devices=[]), torch.enable_grad(), torch.device("cpu"), \
