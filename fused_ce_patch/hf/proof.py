@@ -469,8 +469,8 @@ def ensure_proven(cls: type, spec, model_type: str | None = None) -> None:
             ``FUSED_CE_ALLOW_UNVERIFIED=1`` patches anyway, with one warning). A proven
             difference is refused whatever the environment says.
 
-    Takes about 0.1-1 s for a text model the first time per process and cache key; later calls
-    read the memo (or the disk cache).
+    Takes about 0.1-0.6 s for a text model the first time per process and cache key (seconds
+    for some multimodal ones); later calls read the memo or the disk cache (~0.02 s).
     """
     from .verified import ALLOW_ENV, allow_unverified
 
