@@ -21,6 +21,19 @@ import torch.nn.functional as F
 from fused_ce_patch.numerics import relative_error
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _proof_cache(tmp_path_factory):
+    """Proofs of the live model (fused_ce_patch/hf/proof.py) are cached in a directory of this
+    session only: every run proves afresh, and no run reads or writes the user's cache."""
+    before = os.environ.get("FUSED_CE_CACHE_DIR")
+    os.environ["FUSED_CE_CACHE_DIR"] = str(tmp_path_factory.mktemp("fused_ce_cache"))
+    yield
+    if before is None:
+        os.environ.pop("FUSED_CE_CACHE_DIR", None)
+    else:
+        os.environ["FUSED_CE_CACHE_DIR"] = before
+
+
 @pytest.fixture
 def seed():
     value = int(os.environ.get("FUSED_CE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))

@@ -27,11 +27,10 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from ..types import BackendName
 from . import loss_mapping
-from .loss_mapping import apply_fused_ce_to_loss_mapping  # noqa: F401 - public, re-exported
-from . import verified
-from .architectures import ARCHITECTURES, ArchSpec, derive_spec, supported_model_types
+from . import proof, registry
+from .architectures import ARCHITECTURES, ArchSpec, derive_spec
 from .forward import STATE_ATTR, FusedCEOptions, class_slot, patched_forward
-from . import registry
+from .loss_mapping import apply_fused_ce_to_loss_mapping  # noqa: F401 - public, re-exported
 from .registry import is_patched_forward, stock_forward_of, wraps_patched
 from .head import check_head
 
@@ -150,8 +149,11 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
 
 
 def _supported_list() -> str:
-    types = supported_model_types()
-    return ", ".join(repr(t) for t in types) if types else "(none verified on this version)"
+    # No fixed list: any class whose forward derives and passes the proof (hf/proof.py) is
+    # patched; README's table records which types passed on which transformers releases.
+    named = ", ".join(repr(t) for t in ARCHITECTURES)
+    return (f"any whose forward derives and passes the parity proof, e.g. {named} (README's "
+            f"support table lists those proven on each transformers release)")
 
 
 def _spec_for(model: nn.Module) -> ArchSpec:
@@ -160,12 +162,15 @@ def _spec_for(model: nn.Module) -> ArchSpec:
 
 
 def spec_for_class(cls: type, model_type: str | None = None, *, check_verified: bool = True):
-    """Derive ``cls``'s spec (:func:`~.architectures.derive_spec`) and check the sweep's proof.
+    """Derive ``cls``'s spec (:func:`~.architectures.derive_spec`) and prove it on this machine.
+
+    With ``check_verified`` the patched copy is compared with the live stock class on a tiny
+    model (:func:`~.proof.ensure_proven`, cached per process and on disk).
 
     Raises:
         UnsupportedModelError: not a transformers causal LM, a forward of unknown shape, or a
-            class/forward source the parity sweep has not verified (reason and the supported
-            model types in the message).
+            class whose patched copy differs from its stock forward, or of which no tiny model
+            could be built (the reason in the message).
     """
     what = f"{cls.__name__} (model_type {model_type!r})" if model_type else cls.__name__
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)) or not hasattr(
@@ -194,21 +199,8 @@ def spec_for_class(cls: type, model_type: str | None = None, *, check_verified: 
         ) from None
     if not check_verified:
         return spec
-    if verified.proofs_for(spec.class_name, spec.source_hash):
-        return spec
-    reason = verified.refusal_for(spec.class_name) or (
-        f"the parity sweep has not verified {spec.class_name}.forward as installed "
-        f"(source {spec.source_hash}); run `python -m fused_ce_patch.hf.sweep` or set "
-        f"{verified.ALLOW_ENV}=1"
-    )
-    if verified.allow_unverified():
-        logger.warning("fused_ce_patch: patching unverified %s (%s=1): %s", what,
-                       verified.ALLOW_ENV, reason)
-        return spec
-    raise UnsupportedModelError(
-        f"fused_ce_patch cannot patch {what}: {reason}; supported model types: "
-        f"{_supported_list()}"
-    )
+    proof.ensure_proven(cls, spec, model_type)
+    return spec
 
 
 def _stock_forward(cls: type, spec: ArchSpec):

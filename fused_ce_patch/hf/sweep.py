@@ -1,22 +1,25 @@
 """Parity sweep: every causal-LM type in transformers' registry, patched vs stock, on CPU.
 
-For each ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: build a tiny random config
-(the config class's defaults shrunk: 2 layers, hidden 64, 4 heads, 4 experts, vocab 1000, no
-dropout; :data:`OVERRIDES` per type only where needed), the stock model and a patched copy with
-identical weights (float32, eager attention), and compare the training loss and every parameter
-gradient (relative error of the whole tensor: loss 1e-5, gradients 1e-4) on three batches — a
-padded one, one with ``num_items_in_batch``, one with ``shift_labels`` — with a spy proving the
-fused kernel ran in the patched copy (once per call) and never in the stock one. MoE types run
-with ``output_router_logits=True`` so the router aux loss is part of the comparison.
+For each ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (plus :data:`MULTIMODAL`) it
+derives the class's spec and runs :func:`~fused_ce_patch.hf.proof.prove` — the same check
+``apply_fused_ce`` runs on the user's machine before patching a class (without its caches):
+a tiny random model (the config class's defaults shrunk by :func:`tiny_config`: 2 layers,
+hidden 64, 4 heads, 4 experts, vocab 1000, no dropout; :data:`OVERRIDES` per type only where
+needed), stock against a patched deep copy, loss, every parameter gradient and the MoE router
+aux loss on three batches (:func:`_batches`: right padding, ``num_items_in_batch``,
+``shift_labels``), float64 where the model runs in it.
 
 Usage::
 
     python -m fused_ce_patch.hf.sweep [--jobs 2] [--types llama,qwen3] [--json out.json]
-                                      [--write] [--readme README.md]
+                                      [--record docs/support.json] [--write] [--check]
+                                      [--readme README.md]
 
-``--write`` stores the results for the installed transformers version in ``verified.json``
-(the package refuses any class not passed there); ``--readme`` regenerates README's support
-table between its markers from ``verified.json``.
+The record (``docs/support.json``, one row per type and transformers release) is
+documentation: README's support table is generated from it (``--readme``) and CI compares a
+fresh sweep with it (``--check``: exit status 1 when a type recorded as passing on this release
+— or, for a release not recorded, on the newest recorded one — fails now). Nothing reads it at
+patch time. ``--write`` stores this run's rows for the installed release in it.
 """
 
 from __future__ import annotations
@@ -30,9 +33,8 @@ import sys
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
-LOSS_RTOL = 1e-5
-GRAD_RTOL = 1e-4
 VOCAB = 1000
 TIMEOUT_S = 300
 
@@ -47,6 +49,9 @@ SHRINK = {
     "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_group": 1, "topk_group": 1,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
     "vocab_size": VOCAB,
+    # Gemma-4's per-layer input embeddings (262144 x ... by default: 135M parameters, 80 s of
+    # proof at apply time)
+    "vocab_size_per_layer_input": VOCAB,
     "max_position_embeddings": 256, "n_positions": 256,
     # state-space / linear-attention layers (their torch fallbacks are slow at default sizes)
     "mamba_n_heads": 8, "mamba_d_state": 16, "mamba_chunk_size": 16, "mamba_d_ssm": 128,
@@ -243,8 +248,8 @@ def _check(model_type, class_name, torch):
     import transformers
 
     from ..errors import UnsupportedModelError
-    from . import head as hf_forward  # where the fused loss is called (inside the head call)
-    from .patch import apply_fused_ce, revert_fused_ce, spec_for_class
+    from .patch import spec_for_class
+    from .proof import prove
 
     cls = getattr(transformers, class_name)
     try:
@@ -255,89 +260,9 @@ def _check(model_type, class_name, torch):
     out = {"transform": spec.transform_name, "transform_expr": list(spec.transform),
            "moe_aux": spec.moe_aux, "source_hash": spec.source_hash,
            "defining_class": spec.class_name}
-    torch.manual_seed(0)
-    try:
-        config = tiny_config(model_type)
-        if not isinstance(config, cls.config_class) and hasattr(config, "get_text_config"):
-            # the registry's text-only class under a composite config's model_type
-            config = config.get_text_config()
-            config._attn_implementation = "eager"
-        stock = cls(config).float()
-    except Exception as exc:  # noqa: BLE001
-        out.update(status="unbuildable", reason=f"tiny model: {type(exc).__name__}: "
-                   f"{str(exc)[:200]}")
-        return out
-    patched = copy.deepcopy(stock)
-    stock.train()
-    patched.train()
-    calls = []
-    real = hf_forward.fused_linear_cross_entropy
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    hf_forward.fused_linear_cross_entropy = spy
-    worst = {"loss": 0.0, "grad": 0.0}
-    try:
-        for name, batch in _batches(config, torch).items():
-            stock.zero_grad(set_to_none=True)
-            patched.zero_grad(set_to_none=True)
-            torch.manual_seed(1)
-            try:
-                want = stock(**batch)
-                want.loss.backward()
-            except Exception as exc:  # noqa: BLE001 - the stock model itself cannot run this
-                out.update(status="unbuildable", reason=f"stock {name}: {type(exc).__name__}: "
-                           f"{str(exc)[:200]}")
-                return out
-            if calls:
-                raise AssertionError("the stock model ran the fused kernel")
-            try:
-                apply_fused_ce(patched, backend="torch", _verified=True)
-            except UnsupportedModelError as exc:  # e.g. a head that is more than a Linear
-                out.update(status="unsupported",
-                           reason=str(exc).split("; supported model types")[0])
-                return out
-            torch.manual_seed(1)
-            got = patched(**batch)
-            if len(calls) != 1:
-                raise AssertionError(f"{name}: fused kernel ran {len(calls)} times, want 1")
-            calls.clear()
-            got.loss.backward()
-            revert_fused_ce(patched)
-            err = _rel_err(got.loss, want.loss)
-            if not torch.isfinite(got.loss) or err > LOSS_RTOL:
-                raise AssertionError(f"{name}: loss {got.loss.item():.6g} vs stock "
-                                     f"{want.loss.item():.6g} (rel {err:.2e})")
-            worst["loss"] = max(worst["loss"], err)
-            for key in ("aux_loss",):
-                a, b = getattr(got, key, None), getattr(want, key, None)
-                if (a is None) != (b is None) or (a is not None and _rel_err(a, b) > LOSS_RTOL):
-                    raise AssertionError(f"{name}: {key} differs")
-            grads = dict(stock.named_parameters())
-            # Relative to the tensor's own norm, floored at 1e-3 of the largest gradient norm:
-            # gradients that are zero in exact arithmetic (e.g. a key bias under softmax) are
-            # rounding noise on both sides.
-            floor = 1e-3 * max((q.grad.norm().item() for q in grads.values()
-                                if q.grad is not None), default=0.0)
-            for pname, p in patched.named_parameters():
-                q = grads[pname]
-                if (p.grad is None) != (q.grad is None):
-                    raise AssertionError(f"{name}: grad of {pname} is None on one side only")
-                if p.grad is None:
-                    continue
-                diff = (p.grad.double() - q.grad.double()).norm().item()
-                gerr = diff / max(q.grad.norm().item(), floor, 1e-30)
-                if not torch.isfinite(p.grad).all() or gerr > GRAD_RTOL:
-                    raise AssertionError(f"{name}: grad {pname} rel {gerr:.2e}")
-                worst["grad"] = max(worst["grad"], gerr)
-    except AssertionError as exc:
-        out.update(status="fail", reason=str(exc)[:300])
-        return out
-    finally:
-        hf_forward.fused_linear_cross_entropy = real
-    out.update(status="pass", loss_rel_err=worst["loss"], grad_rel_err=worst["grad"])
+    row = prove(cls, spec, model_type)  # the very check apply_fused_ce runs (no caches here)
+    row.pop("seconds", None)  # check_type times the whole row
+    out.update(row)
     return out
 
 
@@ -394,29 +319,62 @@ def _print_row(row):
           f"{row.get('transform', ''):10s} {extra}", flush=True)
 
 
-# -- the committed data file and README table -----------------------------------------------
+# -- the record (docs/support.json) and README's table ---------------------------------------
 
 _KEEP = ("class", "defining_class", "status", "reason", "transform", "transform_expr", "moe_aux",
-         "source_hash")
+         "source_hash", "dtype")
 
 
-def write_verified(rows, path=None) -> None:
-    """Store ``rows`` for the installed transformers version in ``verified.json``."""
+def write_record(rows, path=None) -> None:
+    """Store ``rows`` for the installed transformers version in the record at ``path``."""
     import transformers
 
-    from .verified import VERIFIED_PATH
+    from .verified import RECORD_PATH
 
-    path = path or VERIFIED_PATH
-    data = json.loads(path.read_text()) if os.path.exists(path) else {"types": {}}
+    path = Path(path or RECORD_PATH)
+    data = json.loads(path.read_text()) if path.exists() else {"types": {}}
     version = transformers.__version__
     for row in rows:
         entry = {k: row[k] for k in _KEEP if k in row}
-        # the proof is keyed on the class that defines the rewritten forward
-        if "defining_class" in entry:
+        if "defining_class" in entry:  # the class whose forward source was rewritten
             entry["class"], entry["registry_class"] = entry.pop("defining_class"), row["class"]
         data["types"].setdefault(row["type"], {})[version] = entry
     data["types"] = dict(sorted(data["types"].items()))
     path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+
+
+def _version_key(v: str):
+    return tuple(int(x) for x in v.split(".")[:3] if x.isdigit())
+
+
+def check_against_record(rows, data: dict, version: str) -> tuple[str, list[str], list[str]]:
+    """Compare a sweep's ``rows`` with the record.
+
+    Raises:
+        ValueError: the record is empty.
+
+    Returns:
+        ``(baseline, lost, gained)``: the recorded version compared against (``version`` when
+        recorded, else the newest recorded one), the types recorded as passing there that did
+        not pass now (with their reasons), and the types passing now but not recorded so.
+    """
+    versions = {v for r in data["types"].values() for v in r}
+    if not versions:
+        raise ValueError("the record holds no sweep results")
+    if version in versions:
+        baseline = version
+    else:
+        older = [v for v in versions if _version_key(v) <= _version_key(version)]
+        baseline = max(older or versions, key=_version_key)
+    now = {r["type"]: r for r in rows}
+    lost, gained = [], []
+    for model_type, row in sorted(now.items()):
+        recorded = data["types"].get(model_type, {}).get(baseline, {})
+        if recorded.get("status") == "pass" and row["status"] != "pass":
+            lost.append(f"{model_type}: {row['status']}: {row.get('reason', '')}")
+        elif row["status"] == "pass" and recorded.get("status") != "pass":
+            gained.append(model_type)
+    return baseline, lost, gained
 
 
 BEGIN = "<!-- support-table:begin (generated by python -m fused_ce_patch.hf.sweep --readme) -->"
@@ -434,9 +392,11 @@ def support_table(data: dict) -> str:
         f"{sum(v in r for r in data['types'].values())}" for v in versions
     )
     lines = [
-        f"Verified by the parity sweep ({len(passed)} types in all) — transformers {counts}. "
-        "A model is patched when its class's installed `forward` source is one that passed "
-        "(any version column); anything else is refused by `apply_fused_ce` with its reason.",
+        f"Recorded by the parity sweep ({len(passed)} types passing in all) — transformers "
+        f"{counts}. The sweep runs the same proof that `apply_fused_ce` runs on your machine "
+        "before it patches a class (stock vs patched, loss and every gradient on a tiny model); "
+        "a class is patched on any transformers release where its installed code passes it, "
+        "and refused with the reason where it does not.",
         "",
         "| type | class | transform | MoE aux | " + " | ".join(versions) + " |",
         "|---|---|---|---|" + "---|" * len(versions),
@@ -469,9 +429,9 @@ def support_table(data: dict) -> str:
 
 def write_readme(readme, data=None) -> bool:
     """Replace README's table between the markers; True when the file changed."""
-    from .verified import VERIFIED_PATH
+    from .verified import load
 
-    data = data or json.loads(VERIFIED_PATH.read_text())
+    data = data or load()
     text = open(readme, encoding="utf-8").read()
     if BEGIN not in text or END not in text:
         raise ValueError(f"{readme} has no support-table markers ({BEGIN!r} ... {END!r})")
@@ -488,26 +448,51 @@ def main(argv=None) -> int:
     parser.add_argument("--types", help="comma-separated model types (default: all)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--json", help="write the result rows here")
-    parser.add_argument("--write", action="store_true", help="update verified.json")
+    parser.add_argument("--record", help="the record file (default: docs/support.json of the "
+                        "source checkout)")
+    parser.add_argument("--write", action="store_true",
+                        help="store this run's rows for the installed release in the record")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if a type the record lists as passing fails now")
     parser.add_argument("--readme", help="regenerate the support table in this README")
     args = parser.parse_args(argv)
     rows = []
+    status = 0
     if args.types != "":
         types = args.types.split(",") if args.types else None
+        start = time.perf_counter()
         rows = run(types, jobs=args.jobs)
         passed = [r for r in rows if r["status"] == "pass"]
-        print(f"\n{len(passed)} of {len(rows)} types verified; refused:")
+        print(f"\n{len(passed)} of {len(rows)} types pass the proof "
+              f"({time.perf_counter() - start:.0f} s); the others:")
         for r in rows:
             if r["status"] != "pass":
                 print(f"  {r['type']}: {r['status']}: {r.get('reason', '')}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.check:
+        import transformers
+
+        from .verified import RECORD_PATH, load
+
+        data = load(args.record)
+        if not data["types"]:
+            print(f"--check: no record at {args.record or RECORD_PATH}", file=sys.stderr)
+            return 2
+        baseline, lost, gained = check_against_record(rows, data, transformers.__version__)
+        print(f"\nagainst the record for transformers {baseline}: {len(lost)} lost, "
+              f"{len(gained)} newly passing {gained if gained else ''}")
+        for line in lost:
+            print(f"  LOST {line}")
+        status = 1 if lost else 0
     if args.write:
-        write_verified(rows)
+        write_record(rows, args.record)
     if args.readme:
-        write_readme(args.readme)
-    return 0
+        from .verified import load
+
+        write_readme(args.readme, load(args.record))
+    return status
 
 
 if __name__ == "__main__":

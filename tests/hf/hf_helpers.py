@@ -17,6 +17,7 @@ import copy
 import torch
 
 from fused_ce_patch.hf import loss_mapping
+from fused_ce_patch.hf.proof import proving
 from fused_ce_patch.numerics import relative_error
 
 VOCAB = 1003
@@ -134,6 +135,8 @@ class Spy:
         self.calls = []
 
     def __call__(self, hidden, weight, labels, **kwargs):
+        if proving():  # the proof's tiny copy (hf/proof.py), not the model under test
+            return self.fn(hidden, weight, labels, **kwargs)
         self.calls.append({
             "hidden": hidden, "weight": weight, "labels": labels, **kwargs,
             "autocast": torch.is_autocast_enabled(hidden.device.type),
@@ -159,7 +162,7 @@ class LogitsLossSpy:
         class Counting(fn_cls):
             @classmethod
             def apply(cls, *args):
-                spy.count += 1
+                spy.count += not proving()
                 return fn_cls.apply(*args)
 
         self.cls = Counting

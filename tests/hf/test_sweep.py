@@ -1,4 +1,4 @@
-"""The derived architecture rows, the support decision, and the parity sweep itself."""
+"""The derived architecture rows, the parity sweep, and its record (docs/support.json)."""
 
 from __future__ import annotations
 
@@ -69,19 +69,17 @@ def _tiny(model_type):
     return cls(cfg).train()
 
 
-def test_unverified_source_is_refused(monkeypatch):
+def test_the_record_is_not_read_at_patch_time(monkeypatch):
+    """docs/support.json is documentation: patching works without it (the proof decides)."""
+    def unreadable(*args, **kwargs):
+        raise AssertionError("the record was read at patch time")
+
+    monkeypatch.setattr(verified, "load", unreadable)
     model = _tiny("qwen3")
-    monkeypatch.setattr(verified, "proofs_for", lambda *a: [])
-    monkeypatch.setattr(verified, "refusal_for", lambda *a: None)
-    with pytest.raises(UnsupportedModelError, match="not verified Qwen3ForCausalLM"):
-        apply_fused_ce(model)
-    monkeypatch.setenv(verified.ALLOW_ENV, "1")
-    apply_fused_ce(model)  # explicit opt-in: patched with a warning
+    apply_fused_ce(model)
 
 
-def test_verified_type_patched_and_class_patch(spy):
-    if "qwen3" not in verified.verified_types():
-        pytest.skip(f"qwen3 not verified on transformers {transformers.__version__}")
+def test_proven_type_patched_and_class_patch(spy):
     model = _tiny("qwen3")
     b = sweep._batches(model.config, torch)["padded"]
     owner = apply_fused_ce_to_class(type(model))
@@ -94,8 +92,8 @@ def test_verified_type_patched_and_class_patch(spy):
     assert isinstance(model(**b).logits, torch.Tensor) and spy.count == 1
 
 
-def test_readme_table_matches_verified_json():
-    """README's table is exactly what the sweep generates from the committed verified.json."""
+def test_readme_table_matches_the_record():
+    """README's table is exactly what the sweep generates from docs/support.json."""
     text = README.read_text()
     block = text.split(sweep.BEGIN, 1)[1].split(sweep.END, 1)[0].strip()
     assert block == sweep.support_table(verified.load()).strip(), (
@@ -104,29 +102,44 @@ def test_readme_table_matches_verified_json():
     )
 
 
-@pytest.mark.slow
-def test_sweep_matches_committed_results():
-    """Re-run the whole sweep on the installed transformers; it must reproduce verified.json.
+def test_check_against_record():
+    data = {"types": {
+        "a": {"5.17.0": {"status": "pass"}, "5.24.0": {"status": "pass"}},
+        "b": {"5.17.0": {"status": "pass"}, "5.24.0": {"status": "unbuildable"}},
+        "c": {"5.24.0": {"status": "pass"}},
+    }}
+    rows = [{"type": "a", "status": "fail", "reason": "loss 2 vs stock 1"},
+            {"type": "b", "status": "pass"}, {"type": "c", "status": "pass"}]
+    assert sweep.check_against_record(rows, data, "5.24.0") == (
+        "5.24.0", ["a: fail: loss 2 vs stock 1"], ["b"])
+    # a release not recorded is held to the newest recorded one before it
+    assert sweep.check_against_record(rows, data, "5.21.1")[0] == "5.17.0"
+    assert sweep.check_against_record(rows, data, "5.30.0")[0] == "5.24.0"
+    assert sweep.check_against_record(rows, data, "5.0.0")[0] == "5.24.0"
+    # a missing record is an error, never a silent pass
+    assert sweep.main(["--types", "", "--check", "--record", "/nonexistent/support.json"]) == 2
 
-    A transformers upgrade that breaks a verified type, or one not recorded at all, fails here
-    loudly (the package already refuses such a type at apply time).
+
+@pytest.mark.slow
+def test_sweep_matches_the_record():
+    """Re-run the whole sweep on the installed transformers; it must reproduce the record.
+
+    A transformers upgrade that breaks a passing type fails here loudly (the package itself
+    would refuse that type at apply time, with the reason).
     """
     version = transformers.__version__
-    recorded = {t: rows[version] for t, rows in verified.load()["types"].items()
-                if version in rows}
-    assert recorded, (f"transformers {version} has no sweep results in verified.json: run "
-                      f"python -m fused_ce_patch.hf.sweep --write --readme README.md")
+    data = verified.load()
+    recorded = {t: rows[version] for t, rows in data["types"].items() if version in rows}
     jobs = int(os.environ.get("FUSED_CE_SWEEP_JOBS", min(2, os.cpu_count() or 1)))
-    rows = {r["type"]: r for r in sweep.run(jobs=jobs, progress=False)}
-    lost = sorted(t for t, r in recorded.items()
-                  if r["status"] == "pass" and rows.get(t, {}).get("status") != "pass")
-    gained = sorted(t for t, r in rows.items()
-                    if r["status"] == "pass" and recorded.get(t, {}).get("status") != "pass")
-    assert not lost, {t: rows.get(t) for t in lost}
-    assert not gained, f"newly passing, re-record verified.json: {gained}"
-    assert set(rows) == set(recorded), set(rows) ^ set(recorded)
-    for t, r in rows.items():
-        if r["status"] == "pass":
-            assert r["source_hash"] == recorded[t]["source_hash"], t
-    assert re.search(r"\d+ of \d+", sweep.support_table(verified.load()))
+    rows = sweep.run(jobs=jobs, progress=False)
+    baseline, lost, gained = sweep.check_against_record(rows, data, version)
+    assert not lost, lost
+    if recorded:
+        assert not gained, f"newly passing, re-record docs/support.json: {gained}"
+        by_type = {r["type"]: r for r in rows}
+        assert set(by_type) == set(recorded), set(by_type) ^ set(recorded)
+        for t, r in by_type.items():
+            if r["status"] == "pass":
+                assert r["source_hash"] == recorded[t]["source_hash"], t
+    assert re.search(r"\d+ of \d+", sweep.support_table(data))
     json.dumps(rows)
