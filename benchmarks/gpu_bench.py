@@ -186,7 +186,7 @@ def build(torch, impl, softcap, dev):
         mod = LigerFusedLinearCrossEntropyLoss(softcap=softcap)
         return lambda hd, w, y: mod(w, hd, y)
     if impl == "trl-head":
-        from gpu_trl_head import build as build_trl_head
+        from trl_head_impls import build as build_trl_head
 
         return build_trl_head(torch, "trl-logp", softcap)
     if impl.startswith("cce"):

@@ -50,6 +50,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # Same inputs, float32 reference and cleanup as the loss-layer benchmark, so rows compare.
 from gpu_bench import cleanup, make_inputs, reference  # noqa: E402
+from trl_head_impls import IMPLS, build, reference_weighted  # noqa: E402
 
 SHAPES = {  # name: (N, H, V, softcap)
     "llama3-8b": (8192, 4096, 128256, None),
@@ -59,9 +60,6 @@ SHAPES = {  # name: (N, H, V, softcap)
     "gemma3-270m": (32768, 640, 262144, None),
 }
 TINY = {"tiny": (64, 32, 1003, None), "tiny-softcap": (48, 24, 517, 30.0)}
-IMPLS = ["trl-sft", "trl-logp", "trl-grpo", "ours-sft", "ours-logp", "ours-grpo",
-         "ours-sft-tiles", "ours-loss"]
-TRL_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE (trl 1.16)
 MiB = 2**20
 
 
@@ -111,70 +109,6 @@ def main(argv=None):
     print_table(rows)
     return rows
 
-
-
-def _weights(torch, labels, grpo):
-    """Per-token weights of the log-probabilities: 1, or fixed values in [-1, 1] (GRPO)."""
-    if not grpo:
-        return None
-    g = torch.Generator(device=labels.device).manual_seed(7)
-    return torch.rand(labels.shape, generator=g, device=labels.device) * 2 - 1
-
-
-def reference_weighted(torch, data, softcap):
-    """float32 ``-sum(w * log p_y) / n_counted`` with the *-grpo weights, and its dH, dW."""
-    h = data["hidden"].float().requires_grad_()
-    w = data["weight"].float().requires_grad_()
-    labels = data["labels"]
-    z = h @ w.t()
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    mask = labels != -100
-    lp = torch.log_softmax(z, -1).gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
-    loss = -(lp * _weights(torch, labels, True) * mask).sum() / mask.sum()
-    dh, dw = torch.autograd.grad(loss, [h, w])
-    del z, lp
-    return {"loss": loss.detach(), "dh": dh, "dw": dw}
-
-
-def build(torch, impl, softcap):
-    sft = ("log_probs", "entropy", "is_top1")
-    grpo = impl.endswith("-grpo")
-    if impl.startswith("trl"):
-        from trl.kernels import ChunkedLogProbFunction
-
-        outputs = ("log_probs",) if impl == "trl-logp" else sft
-
-        def trl_head(hidden, weight, labels):
-            mask = labels != -100  # TRL's head scores the counted rows only (on CUDA)
-            lp = ChunkedLogProbFunction.apply(hidden[mask], weight, None, labels[mask], 1.0,
-                                              TRL_CHUNK, softcap, 1.0, outputs)[0]
-            w = _weights(torch, labels, grpo)
-            lp = lp if w is None else lp * w[mask]
-            return -lp.sum() / mask.sum().clamp(min=1)
-
-        return trl_head
-    if impl in ("ours-sft", "ours-logp", "ours-grpo", "ours-sft-tiles"):
-        from fused_ce_patch import ForwardGradHint, fused_linear_token_stats
-
-        full = impl != "ours-logp"
-        hint = None if impl == "ours-logp" else ForwardGradHint()
-        backend = "torch" if impl.endswith("-tiles") else "auto"
-
-        def ours(hidden, weight, labels):
-            s = fused_linear_token_stats(hidden, weight, labels, softcap=softcap,
-                                         entropy=full, accuracy=full, backend=backend,
-                                         grad_hint=hint)
-            w = _weights(torch, labels, grpo)
-            lp = s.log_probs if w is None else s.log_probs * w
-            return -lp.sum() / s.mask.sum().clamp(min=1)
-
-        return ours
-    if impl == "ours-loss":
-        from fused_ce_patch import fused_linear_cross_entropy
-
-        return lambda hd, w, y: fused_linear_cross_entropy(hd, w, y, softcap=softcap)
-    raise ValueError(f"unknown implementation {impl!r}; valid: {', '.join(IMPLS)}")
 
 
 def measure(torch, fn, data, ref, args, dev):

@@ -20,8 +20,10 @@ defers (no logits), each transform is recorded, and the loss call goes to the fu
 MoE aux loss (``loss += router_aux_loss_coef * aux_loss``), multimodal inputs, output class and
 fields, decorators — is the stock code, unchanged. A class whose source does not fit raises
 :class:`~fused_ce_patch.errors.UnsupportedModelError` naming the statement; a class that fits is
-still refused by ``apply_fused_ce`` until the parity sweep (:mod:`.sweep`) has proven it
-(:mod:`.verified`).
+patched by ``apply_fused_ce`` only once the live class passes the proof on this machine
+(:mod:`.proof`: the stock class and the rewrite compared on a tiny model, loss and every
+gradient). The rewrite runs with the modeling module's live globals, inside copies of the stock
+forward's own wrapper layers (:func:`_compile_factory`, :func:`_clone_chain`).
 """
 
 from __future__ import annotations
@@ -556,7 +558,8 @@ def derive_spec(cls: type) -> ArchSpec:
 
 
 def supported_model_types() -> list[str]:
-    """``config.model_type`` values the parity sweep verified on the installed transformers."""
+    """``config.model_type`` values the sweep's record (docs/support.json) lists as passing on
+    the installed transformers release — documentation, not the gate (:mod:`.proof` is)."""
     from .verified import verified_types
 
     return verified_types()

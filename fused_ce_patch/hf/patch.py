@@ -157,7 +157,7 @@ def _supported_list() -> str:
 
 
 def _spec_for(model: nn.Module) -> ArchSpec:
-    """The derived spec of ``model``'s class, refusing anything the sweep has not proven."""
+    """The derived spec of ``model``'s class, refusing anything the proof does not pass."""
     return spec_for_class(type(model), getattr(getattr(model, "config", None), "model_type", None))
 
 
@@ -183,8 +183,8 @@ def spec_for_class(cls: type, model_type: str | None = None, *, check_verified: 
         stock_owner = next((k for k in owner.__mro__[1:] if "forward" in k.__dict__), None)
         raise UnsupportedModelError(
             f"fused_ce_patch cannot patch {what}: {owner.__qualname__} overrides "
-            f"{getattr(stock_owner, '__name__', '?')}.forward; only the stock transformers "
-            f"forwards verified by the parity sweep are patched; supported model types: "
+            f"{getattr(stock_owner, '__name__', '?')}.forward; only transformers' own forwards "
+            f"are patched (the fused forward is a rewrite of their source); supported model types: "
             f"{_supported_list()}"
         )
     replaced = stock_forward_of(owner.__dict__.get("forward"))
@@ -285,8 +285,9 @@ def apply_fused_ce(
     handled by rebuilding accelerate's autocast wrapper around the patched forward).
 
     Args:
-        model: a causal LM whose class the parity sweep verified (README's support table;
-            every text causal-LM type of transformers' registry that the sweep could build),
+        model: a transformers causal LM whose class's forward derives and passes the proof on
+            this machine (:mod:`~fused_ce_patch.hf.proof`; README's support table lists the
+            types proven on each transformers release),
             possibly wrapped.
         backend: backend of :func:`~fused_ce_patch.fused_linear_cross_entropy`.
         logits_budget: bytes of transient logits one chunk may hold (None: backend default).
@@ -545,7 +546,7 @@ def apply_fused_ce_to_class(
 ) -> type:
     """Patch a causal-LM class (every instance, existing and future) to use the fused loss.
 
-    The generic form of ``apply_fused_ce_to_<type>()``: any class the parity sweep verified
+    The generic form of ``apply_fused_ce_to_<type>()``: any class whose forward passes the proof
     (README's support table), e.g. ``apply_fused_ce_to_class(Qwen3ForCausalLM)``. The forward
     is patched on the class that defines it, so subclasses sharing it are patched too.
     ``revert_fused_ce(cls)`` undoes it.
@@ -560,7 +561,7 @@ def apply_fused_ce_to_class(
         The class whose ``forward`` was patched (``cls`` or the base class defining it).
 
     Raises:
-        UnsupportedModelError: the class is not verified (reason in the message).
+        UnsupportedModelError: the class is not proven (reason in the message).
         ValueError: unknown backend or bad ``logits_budget``.
     """
     if not isinstance(cls, type):
@@ -641,3 +642,6 @@ def _describe(options: FusedCEOptions) -> str:
     if options.return_logits:
         text += ", return_logits=True (real logits kept, no memory saving)"
     return text
+
+
+proof.register_patcher(apply_fused_ce, revert_fused_ce)

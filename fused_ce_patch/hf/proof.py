@@ -101,7 +101,7 @@ def _config_for(cls: type, model_type: str | None):
     """The sweep's tiny config for ``model_type`` (else the class's own), fitted to ``cls``."""
     from transformers import CONFIG_MAPPING
 
-    from .sweep import tiny_config
+    from .tiny import tiny_config
 
     candidates = [model_type, getattr(getattr(cls, "config_class", None), "model_type", None)]
     name = next((t for t in candidates if t and t in CONFIG_MAPPING), None)
@@ -117,7 +117,7 @@ def _config_for(cls: type, model_type: str | None):
 
 
 def _uses_patched_class_forward(cls: type) -> bool:
-    from .forward import is_patched_forward
+    from .registry import is_patched_forward
 
     fn = cls.forward
     for _ in range(32):
@@ -241,6 +241,16 @@ def _isolated():
         torch.set_default_dtype(dtype)
 
 
+#: ``(apply_fused_ce, revert_fused_ce)``, registered by :mod:`.patch` when it is imported (the
+#: patch calls the proof; the proof patches a tiny copy: the functions come in, no import).
+_PATCHER: list = []
+
+
+def register_patcher(apply, revert) -> None:
+    """Set the functions :func:`prove` patches and reverts its tiny copy with."""
+    _PATCHER[:] = [apply, revert]
+
+
 def prove(cls: type, spec, model_type: str | None = None) -> dict:
     """Compare ``cls``'s live stock forward with the patched copy on a tiny random model.
 
@@ -258,8 +268,11 @@ def prove(cls: type, spec, model_type: str | None = None) -> dict:
 
     Source: the parity sweep of issue 10 (:mod:`.sweep`), moved to the user's machine.
     """
-    from .patch import apply_fused_ce, revert_fused_ce
-    from .sweep import _batches
+    from .tiny import _batches
+
+    if not _PATCHER:
+        raise RuntimeError("fused_ce_patch.hf.proof needs fused_ce_patch.hf.patch imported")
+    apply_fused_ce, revert_fused_ce = _PATCHER
 
     start = time.perf_counter()
     row: dict = {"status": "error", "reason": ""}
@@ -383,7 +396,7 @@ def _loss_objects():
 
 
 def _memo_key(cls: type, spec):
-    from .forward import stock_forward_of
+    from .registry import stock_forward_of
 
     return (cls, getattr(spec, "fingerprint", spec.source_hash), stock_forward_of(cls.forward),
             *_loss_objects())

@@ -28,7 +28,7 @@ from fused_ce_patch import (
     revert_fused_ce,
 )
 from fused_ce_patch.hf import head as hf_head
-from fused_ce_patch.hf import proof, sweep, verified
+from fused_ce_patch.hf import proof, sweep, tiny, verified
 from fused_ce_patch.hf.architectures import derive_spec
 from fused_ce_patch.hf.patch import spec_for_class
 from fused_ce_patch.hf.sentinel import NotMaterializedLogits
@@ -291,9 +291,9 @@ def test_unbuildable_tiny_model_is_refused_with_the_reason(next_release, monkeyp
     def no_pil(model_type):
         raise ImportError("this model needs PIL")
 
-    monkeypatch.setattr(sweep, "tiny_config", no_pil)
+    monkeypatch.setattr(tiny, "tiny_config", no_pil)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**sweep._shrink_kwargs(transformers.LlamaConfig, "llama"))
+    config = transformers.LlamaConfig(**tiny._shrink_kwargs(transformers.LlamaConfig, "llama"))
     model = next_release.LlamaForCausalLM(config).train()
     with pytest.raises(UnsupportedModelError) as info:
         apply_fused_ce(model, backend="torch")

@@ -1,0 +1,77 @@
+"""The per-token implementations compared by gpu_trl_head.py (and gpu_bench.py's trl-head peer).
+
+``build(torch, impl, softcap)`` returns ``fn(hidden, weight, labels) -> loss``: TRL 1.16's fused
+LM head (``trl.kernels.ChunkedLogProbFunction``) or ``fused_linear_token_stats`` computing the
+same outputs (SFT: log-probs, entropy, top-1; GRPO: per-token weights), and the plain fused loss.
+Kept apart from both scripts so that neither imports the other.
+"""
+
+from __future__ import annotations
+
+IMPLS = ["trl-sft", "trl-logp", "trl-grpo", "ours-sft", "ours-logp", "ours-grpo",
+         "ours-sft-tiles", "ours-loss"]
+TRL_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE (trl 1.16)
+
+
+def _weights(torch, labels, grpo):
+    """Per-token weights of the log-probabilities: 1, or fixed values in [-1, 1] (GRPO)."""
+    if not grpo:
+        return None
+    g = torch.Generator(device=labels.device).manual_seed(7)
+    return torch.rand(labels.shape, generator=g, device=labels.device) * 2 - 1
+
+
+def reference_weighted(torch, data, softcap):
+    """float32 ``-sum(w * log p_y) / n_counted`` with the *-grpo weights, and its dH, dW."""
+    h = data["hidden"].float().requires_grad_()
+    w = data["weight"].float().requires_grad_()
+    labels = data["labels"]
+    z = h @ w.t()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    mask = labels != -100
+    lp = torch.log_softmax(z, -1).gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+    loss = -(lp * _weights(torch, labels, True) * mask).sum() / mask.sum()
+    dh, dw = torch.autograd.grad(loss, [h, w])
+    del z, lp
+    return {"loss": loss.detach(), "dh": dh, "dw": dw}
+
+
+def build(torch, impl, softcap):
+    sft = ("log_probs", "entropy", "is_top1")
+    grpo = impl.endswith("-grpo")
+    if impl.startswith("trl"):
+        from trl.kernels import ChunkedLogProbFunction
+
+        outputs = ("log_probs",) if impl == "trl-logp" else sft
+
+        def trl_head(hidden, weight, labels):
+            mask = labels != -100  # TRL's head scores the counted rows only (on CUDA)
+            lp = ChunkedLogProbFunction.apply(hidden[mask], weight, None, labels[mask], 1.0,
+                                              TRL_CHUNK, softcap, 1.0, outputs)[0]
+            w = _weights(torch, labels, grpo)
+            lp = lp if w is None else lp * w[mask]
+            return -lp.sum() / mask.sum().clamp(min=1)
+
+        return trl_head
+    if impl in ("ours-sft", "ours-logp", "ours-grpo", "ours-sft-tiles"):
+        from fused_ce_patch import ForwardGradHint, fused_linear_token_stats
+
+        full = impl != "ours-logp"
+        hint = None if impl == "ours-logp" else ForwardGradHint()
+        backend = "torch" if impl.endswith("-tiles") else "auto"
+
+        def ours(hidden, weight, labels):
+            s = fused_linear_token_stats(hidden, weight, labels, softcap=softcap,
+                                         entropy=full, accuracy=full, backend=backend,
+                                         grad_hint=hint)
+            w = _weights(torch, labels, grpo)
+            lp = s.log_probs if w is None else s.log_probs * w
+            return -lp.sum() / s.mask.sum().clamp(min=1)
+
+        return ours
+    if impl == "ours-loss":
+        from fused_ce_patch import fused_linear_cross_entropy
+
+        return lambda hd, w, y: fused_linear_cross_entropy(hd, w, y, softcap=softcap)
+    raise ValueError(f"unknown implementation {impl!r}; valid: {', '.join(IMPLS)}")
