@@ -58,7 +58,7 @@ def options(case: dict) -> dict:
 class AllocationWatcher(TorchDispatchMode):
     """Records the largest tensor any op creates (elements) and the peak bytes of the tensors
     created under it that are alive at once (storages counted once, freed when their last
-    tensor dies)."""
+    tensor dies). A ``DTensor`` output counts as its local tensor."""
 
     def __init__(self):
         super().__init__()
@@ -81,12 +81,16 @@ class AllocationWatcher(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if not isinstance(t, torch.Tensor):
                 continue
+            t = getattr(t, "_local_tensor", t)  # a DTensor: what this rank holds
             self.largest = max(self.largest, t.numel())
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
+            try:
+                storage = t.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+            except RuntimeError:  # a storage without data (e.g. an in-flight collective's)
+                key, nbytes = ("tensor", id(t)), t.numel() * t.element_size()
             entry = self.live.get(key)
             if entry is None:
-                entry = self.live[key] = [storage.nbytes(), set()]
+                entry = self.live[key] = [nbytes, set()]
                 self.now += entry[0]
                 self.peak = max(self.peak, self.now)
             if id(t) not in entry[1]:
