@@ -3,7 +3,8 @@
 ``DTensor`` split along the vocabulary) is patched, its lm_head recognised, and one training
 step computes the loss vocabulary-parallel from each rank's shard (spy): loss and every
 gradient equal the stock tensor-parallel model's and one process running the stock model on
-the whole batch, also with ignored labels and ``num_items_in_batch`` and over two steps; a
+the whole batch, also with ignored labels and ``num_items_in_batch`` and over two steps, and
+under transformers' FSDP2 x TP (4 processes); a
 dispatch watcher shows the patched step never creates a ``[tokens, vocab / tp]`` tensor under a
 small budget while the stock step creates ``[tokens, vocab]``. Layouts the fused loss cannot
 compute raise. Single-process checks of the layout recognition run in a world of one."""
@@ -34,6 +35,18 @@ def results(tmp_path_factory):
     dw.build(tied=False).save_pretrained(path)
     mp.spawn(w.worker, args=(WORLD, str(out / "init"), w.MODES, str(path), str(out)),
              nprocs=WORLD)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results4(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("tp_fsdp")
+    path = out / "model"
+    dw.build(tied=False).save_pretrained(path)
+    mp.spawn(w.worker, args=(4, str(out / "init"), w.FSDP_MODES, str(path), str(out)),
+             nprocs=4)
     return out
 
 
@@ -82,6 +95,19 @@ def test_stock_tp_model_matches_one_process(results):
     # the comparison above is only as good as stock TP's own agreement with one process
     for mode in ("stock", "stock_items"):
         compare(load(results, mode), *single_process(mode))
+
+
+def test_patched_tp_x_fsdp2_matches_stock_and_one_process(results4):
+    """transformers' FSDP2 x TP on 4 processes: lm_head is an FSDP unit whose weight is a
+    (fsdp, tp) DTensor; inside its call FSDP2 gathers the fsdp dimension and the loss runs
+    vocabulary-parallel over the tp dimension (the spy sees the tp shard)."""
+    got = load(results4, "fsdp_fused")
+    assert "_StridedShard" in got["layout"][1], got["layout"]  # (fsdp, tp) as loaded
+    assert got["spy"] == [((106, dw.HIDDEN), 0, None)], got["spy"]
+    stock = load(results4, "fsdp_stock")
+    assert stock["spy"] == []
+    compare(got, stock["loss"], stock["grads"])
+    compare(got, *single_process("fused"))
 
 
 def test_no_tokens_by_vocab_tensor_under_a_small_budget(results):
@@ -164,4 +190,17 @@ def test_tp_forward_around_another_forward_is_refused(world_of_one):
     tp_forward = head.forward
     head.forward = lambda x: tp_forward(x)  # a user wrapper around transformers' forward
     with pytest.raises(UnsupportedModelError, match="replaced forward"):
+        check_head(head)
+
+
+def test_tp_forward_installed_twice_is_refused(world_of_one):
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    from fused_ce_patch.errors import UnsupportedModelError
+    from fused_ce_patch.hf.head import check_head
+
+    head = _tp_head("colwise_gather_output")
+    ALL_PARALLEL_STYLES["colwise_gather_output"].install_forward(head, init_device_mesh("cpu", (1,)))
+    with pytest.raises(UnsupportedModelError, match="not nn.Linear.forward"):
         check_head(head)

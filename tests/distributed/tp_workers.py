@@ -17,10 +17,13 @@ import torch.distributed as dist
 import dist_workers
 import vp_workers
 
-BATCH, SEQ = 4, 16
+BATCH, SEQ = 4, 32
 #: A budget of 8 whole rows of one rank's vocabulary shard in float32 (4 bytes a logit).
 SMALL_BUDGET = 8 * 106 * 4
 MODES = ("stock", "fused", "stock_items", "fused_items", "fused_budget", "fused_twice")
+#: 4 processes: transformers' own FSDP2 x TP (``DistributedConfig(tp_size=2, fsdp_size=2)``,
+#: mesh (fsdp, tp)); each FSDP rank pair takes half of the batch.
+FSDP_MODES = ("fsdp_stock", "fsdp_fused")
 
 
 def batch(ignored: bool):
@@ -67,13 +70,20 @@ def run_mode(rank, world, mode, path, out_dir):
 
     from fused_ce_patch import apply_fused_ce
 
-    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    if mode.startswith("fsdp"):
+        from transformers.distributed.configuration_utils import DistributedConfig
+
+        config = DistributedConfig(tp_size=2, fsdp_size=world // 2)
+        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config,
+                                                     dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
     model.train()
     head = model.lm_head
     layout = (type(head.weight).__name__, str(tuple(getattr(head.weight, "placements", ()))),
               tuple(head.weight.to_local().shape) if hasattr(head.weight, "to_local") else None)
     budget = SMALL_BUDGET if mode == "fused_budget" else None
-    if mode.startswith("fused"):
+    if "fused" in mode:
         apply_fused_ce(model, backend="torch", logits_budget=budget)
     spy = VocabParallelSpy()
     watcher = vp_workers.AllocationWatcher() if mode in ("stock", "fused_budget") else None
@@ -84,7 +94,12 @@ def run_mode(rank, world, mode, path, out_dir):
             if watcher is not None:
                 watcher.__enter__()
             try:
-                out = model(**call_kwargs(mode))
+                kwargs = call_kwargs(mode)
+                if mode.startswith("fsdp"):  # ranks (2i, 2i + 1) form TP group i: half i
+                    half = BATCH // (world // 2)
+                    rows = slice(rank // 2 * half, (rank // 2 + 1) * half)
+                    kwargs = {k: v[rows] for k, v in kwargs.items()}
+                out = model(**kwargs)
                 out.loss.backward()
             finally:
                 if watcher is not None:
@@ -100,7 +115,7 @@ def run_mode(rank, world, mode, path, out_dir):
             g = g.full_tensor()
         grads[name] = g.detach().clone()
     if rank == 0:
-        result = {"loss": out.loss.detach(), "losses": losses, "grads": grads,
+        result = {"loss": torch.stack(losses).mean(), "losses": losses, "grads": grads,
                   "spy": spy.calls, "layout": layout, "steps": steps,
                   "forward_after": "forward" in head.__dict__}
         if watcher is not None:
