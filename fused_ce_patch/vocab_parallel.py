@@ -384,6 +384,7 @@ class _VocabParallelCE(torch.autograd.Function):
                     dw[v0:v1].addmm_(dz.t(), h if h.dtype == acc else h.to(acc))
                 if db is not None:
                     db[v0:v1] += dz.sum(0)
+                del dz  # before the next tile's logits: one logits buffer alive, not two
         dhidden = None
         if dh is not None:
             if cfg.n_valid:
