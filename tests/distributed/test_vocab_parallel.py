@@ -49,6 +49,7 @@ CASES2 = [
     {"name": "f32_watch_default", "n": 64, "v": 101, "h": 16, "dtype": "float32",
      "watch": True},
 ]
+NAN2 = {"name": "f64_nan_hidden", **BASE, "nan": True}
 REFUSED2 = [
     ({"name": "err_labels_differ", **BASE, "corrupt_rank": 1}, "disagree on their labels"),
     ({"name": "err_gap", **BASE, "splits": [10, 20]}, "do not tile"),
@@ -73,7 +74,7 @@ def spawn(tmp_path_factory, world, cases):
 
 @pytest.fixture(scope="module")
 def results2(tmp_path_factory):
-    return spawn(tmp_path_factory, 2, [*CASES2, *(c for c, _ in REFUSED2)])
+    return spawn(tmp_path_factory, 2, [*CASES2, NAN2, *(c for c, _ in REFUSED2)])
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +162,11 @@ def test_four_ranks_match_single_process_float64(results4, case):
     got = check(results4, case, 4)
     if case["name"] == "w4_f64_empty_shard":
         assert [g["stop"] - g["start"] for g in got] == [1, 1, 1, 0]
+
+
+def test_nan_propagates_to_every_rank(results2):
+    got = gathered(results2, NAN2, 2)
+    assert all(torch.isnan(g["loss"]) for g in got)
 
 
 @pytest.mark.parametrize("case,words", REFUSED2, ids=[r[0]["name"] for r in REFUSED2])
@@ -273,6 +279,24 @@ def test_bad_tensors_raise(world_of_one):
         vp(hidden, weight.float(), labels, vocab_start=0, vocab_size=7)
     with pytest.raises(TypeError, match="labels must be an integer"):
         vp(hidden, weight, labels.double(), vocab_start=0, vocab_size=7)
+
+
+def test_dtensor_shard_other_layouts_raise(world_of_one):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from fused_ce_patch.vocab_parallel import dtensor_vocab_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    weight = torch.randn(7, 4)
+    local, bias, start, vocab, group = dtensor_vocab_shard(distribute_tensor(weight, mesh, [Shard(0)]))
+    assert torch.equal(local, weight) and bias is None and (start, vocab) == (0, 7)
+    with pytest.raises(ValueError, match="only a vocabulary split"):
+        dtensor_vocab_shard(distribute_tensor(weight, mesh, [Replicate()]))
+    with pytest.raises(ValueError, match="only a vocabulary split"):
+        dtensor_vocab_shard(distribute_tensor(weight, mesh, [Shard(1)]))
+    with pytest.raises(ValueError, match="must be a DTensor"):
+        dtensor_vocab_shard(weight)
 
 
 def test_needs_a_process_group():

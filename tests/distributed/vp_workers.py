@@ -29,6 +29,8 @@ def problem(case: dict):
         labels[torch.rand(labels.shape, generator=g) < ignored] = -100
     if "ignore_index" in case:  # some labels carry the custom ignore value
         labels.view(-1)[::4] = case["ignore_index"]
+    if case.get("nan"):  # one NaN hidden entry: the loss must say so on every rank
+        hidden.view(-1, h)[3, 0] = float("nan")
     upstream = torch.rand(labels.shape, generator=g, dtype=torch.float64) + 0.5
     cast = (lambda t: None if t is None else t.to(dtype))
     return cast(hidden), cast(weight), cast(bias), labels, upstream
