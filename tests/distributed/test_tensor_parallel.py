@@ -204,3 +204,19 @@ def test_tp_forward_installed_twice_is_refused(world_of_one):
     ALL_PARALLEL_STYLES["colwise_gather_output"].install_forward(head, init_device_mesh("cpu", (1,)))
     with pytest.raises(UnsupportedModelError, match="not nn.Linear.forward"):
         check_head(head)
+
+
+def test_torch_parallelize_module_head_is_refused(world_of_one):
+    # torch's own ColwiseParallel works through forward hooks, which the fused loss would bypass
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from fused_ce_patch.errors import UnsupportedModelError
+    from fused_ce_patch.hf.head import check_head
+
+    head = parallelize_module(nn.Linear(8, 13), init_device_mesh("cpu", (1,)),
+                              ColwiseParallel(output_layouts=Replicate()))
+    with pytest.raises(UnsupportedModelError, match="forward hooks"):
+        check_head(head)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs torch.distributed with gloo",
 )
 
-RTOL = {"float64": 1e-10, "float32": 1e-5}
+RTOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 2e-2}
 #: budgets (bytes) that force vocabulary tiles and row chunks that divide neither N nor V_r
 TILES64 = 16 * 5 * 16  # float64 with softcap: 16 bytes a logit -> 16 rows x 5 columns
 TILES32 = 16 * 3 * 8
@@ -44,6 +44,9 @@ CASES2 = [
     {"name": "f32_all_options", **BASE, "dtype": "float32", "softcap": 4.0, "logit_scale": 1.3,
      "label_smoothing": 0.1, "z_loss": 1e-4, "ignored": 0.2, "bias": True,
      "logits_budget": TILES32, "wscale": 2.0},
+    {"name": "bf16_whole_rows", **BASE, "dtype": "bfloat16", "bias": True, "ignored": 0.2},
+    {"name": "bf16_tiles_softcap", **BASE, "dtype": "bfloat16", "softcap": 4.0,
+     "logits_budget": TILES32},
     {"name": "f32_watch", "n": 64, "v": 101, "h": 16, "dtype": "float32",
      "logits_budget": 16 * 8 * 4, "watch": True},
     {"name": "f32_watch_default", "n": 64, "v": 101, "h": 16, "dtype": "float32",

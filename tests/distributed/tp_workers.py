@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import dist_workers
 import vp_workers
+from vp_workers import leave
 
 BATCH, SEQ = 4, 32
 #: A budget of 8 whole rows of one rank's vocabulary shard in float32 (4 bytes a logit).
@@ -138,5 +139,7 @@ def worker(rank, world, init_file, modes, path, out_dir):
                     with open(os.path.join(out_dir, f"{mode}.err"), "w") as f:
                         f.write("".join(traceback.format_exception(exc)))
             dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave()
