@@ -150,14 +150,20 @@ def _tp_head(style_name):
     return head
 
 
-def test_world_of_one_tp_head_equals_its_own_call(world_of_one):
+@pytest.mark.parametrize("hidden_kind", ["tensor", "replicated_dtensor"])
+def test_world_of_one_tp_head_equals_its_own_call(world_of_one, hidden_kind):
+    from torch.distributed.tensor import DTensor, Replicate
+
     from fused_ce_patch.hf.head import check_head, fused_head_loss
 
     head = _tp_head("colwise_gather_output")
     check_head(head)
     hidden = torch.randn(2, 5, 8, requires_grad=True)
     labels = torch.randint(0, 13, (2, 5))
-    loss, vocab = fused_head_loss(head, hidden, labels, logit_scale=0.5, shift=True)
+    given = hidden
+    if hidden_kind == "replicated_dtensor":  # what a module with DTensor outputs hands over
+        given = DTensor.from_local(hidden, head.weight.device_mesh, [Replicate()])
+    loss, vocab = fused_head_loss(head, given, labels, logit_scale=0.5, shift=True)
     loss.backward()
     got = (hidden.grad.clone(), head.weight.grad.full_tensor(), head.bias.grad.full_tensor())
     hidden.grad = head.weight.grad = head.bias.grad = None
@@ -201,7 +207,8 @@ def test_tp_forward_installed_twice_is_refused(world_of_one):
     from fused_ce_patch.hf.head import check_head
 
     head = _tp_head("colwise_gather_output")
-    ALL_PARALLEL_STYLES["colwise_gather_output"].install_forward(head, init_device_mesh("cpu", (1,)))
+    mesh = init_device_mesh("cpu", (1,))
+    ALL_PARALLEL_STYLES["colwise_gather_output"].install_forward(head, mesh)
     with pytest.raises(UnsupportedModelError, match="not nn.Linear.forward"):
         check_head(head)
 
@@ -220,3 +227,15 @@ def test_torch_parallelize_module_head_is_refused(world_of_one):
                               ColwiseParallel(output_layouts=Replicate()))
     with pytest.raises(UnsupportedModelError, match="forward hooks"):
         check_head(head)
+
+
+def test_sequence_sharded_hidden_is_refused(world_of_one):
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fused_ce_patch.errors import UnsupportedModelError
+    from fused_ce_patch.hf.head import fused_head_loss
+
+    head = _tp_head("colwise_gather_output")
+    hidden = DTensor.from_local(torch.randn(2, 5, 8), head.weight.device_mesh, [Shard(1)])
+    with pytest.raises(UnsupportedModelError, match="sequence parallelism"):
+        fused_head_loss(head, hidden, torch.randint(0, 13, (2, 5)))

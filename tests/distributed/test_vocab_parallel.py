@@ -292,7 +292,8 @@ def test_dtensor_shard_other_layouts_raise(world_of_one):
 
     mesh = init_device_mesh("cpu", (1,))
     weight = torch.randn(7, 4)
-    local, bias, start, vocab, group = dtensor_vocab_shard(distribute_tensor(weight, mesh, [Shard(0)]))
+    sharded = distribute_tensor(weight, mesh, [Shard(0)])
+    local, bias, start, vocab, group = dtensor_vocab_shard(sharded)
     assert torch.equal(local, weight) and bias is None and (start, vocab) == (0, 7)
     with pytest.raises(ValueError, match="only a vocabulary split"):
         dtensor_vocab_shard(distribute_tensor(weight, mesh, [Replicate()]))
