@@ -21,7 +21,8 @@ from vp_workers import leave
 BATCH, SEQ = 4, 32
 #: A budget of 8 whole rows of one rank's vocabulary shard in float32 (4 bytes a logit).
 SMALL_BUDGET = 8 * 106 * 4
-MODES = ("stock", "fused", "stock_items", "fused_items", "fused_budget", "fused_twice")
+MODES = ("stock", "fused", "stock_items", "fused_items", "fused_budget", "fused_twice",
+         "fused_tied")
 #: 4 processes: transformers' own FSDP2 x TP (``DistributedConfig(tp_size=2, fsdp_size=2)``,
 #: mesh (fsdp, tp)); each FSDP rank pair takes half of the batch.
 FSDP_MODES = ("fsdp_stock", "fsdp_fused")
@@ -78,9 +79,13 @@ def run_mode(rank, world, mode, path, out_dir):
         model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config,
                                                      dtype=torch.float32)
     else:
+        if "tied" in mode:  # lm_head shares the (vocabulary-sharded) embedding weight
+            path = path + "_tied"
         model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
     model.train()
     head = model.lm_head
+    if "tied" in mode:
+        assert head.weight is model.model.embed_tokens.weight
     layout = (type(head.weight).__name__, str(tuple(getattr(head.weight, "placements", ()))),
               tuple(head.weight.to_local().shape) if hasattr(head.weight, "to_local") else None)
     budget = SMALL_BUDGET if mode == "fused_budget" else None
