@@ -156,16 +156,16 @@ def vocab_parallel_linear_cross_entropy(
         labels = _shift(labels, ignore_index)
     flat = labels.reshape(-1)
     counted = flat != ignore_index
+    valid_rows = counted.nonzero().squeeze(1)
+    n_valid = valid_rows.shape[0]
+    if check_replicated:  # first, so that a rank with other labels cannot raise alone
+        _check_replicated(group, hidden, flat, n_valid, vocab_start, shard, vocab_size)
     bad = flat[counted & ((flat < 0) | (flat >= vocab_size))]
     if bad.numel():
         raise ValueError(
             f"label {bad[0].item()} is outside [0, V) with V = {vocab_size} and is not "
             f"ignore_index = {ignore_index}"
         )
-    valid_rows = counted.nonzero().squeeze(1)
-    n_valid = valid_rows.shape[0]
-    if check_replicated:
-        _check_replicated(group, hidden, flat, n_valid, vocab_start, shard, vocab_size)
 
     if logit_scale is not None:  # (s h) W^T + s b = s (h W^T + b); autograd sees the products
         hidden = hidden * logit_scale
