@@ -36,6 +36,7 @@ _LAZY = {
     "FusedCETrainingArguments": "fused_ce_patch.hf.trainer",
     "FusedCECallback": "fused_ce_patch.hf.trainer",
     "fused_ce_config": "fused_ce_patch.hf.trainer",
+    "vocab_parallel_linear_cross_entropy": "fused_ce_patch.vocab_parallel",
 }
 
 __all__ = [

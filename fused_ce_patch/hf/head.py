@@ -28,6 +28,17 @@ the module output (backward re-gathers, then reduce-scatters the gradient exactl
 ``lm_head(hidden)``). No copy of the full weight outlives the call. A weight that is still a
 shard at loss time (DTensor, empty ZeRO-3 placeholder, FSDP1 flat shard) raises naming the mode.
 
+Tensor-parallel heads (:func:`tp_head_layout`). transformers' ``tp_plan`` (``from_pretrained(...,
+tp_plan="auto")``, 5.2x ``distributed/tensor_parallel.py``) makes ``lm_head`` a
+``colwise_gather_output`` layer: its weight (and bias) becomes a ``DTensor`` split along the
+vocabulary (``Shard(0)`` over the 1-D tensor-parallel mesh) and its ``forward`` is replaced on
+the instance by one that all-gathers the ``[tokens, vocab]`` logits on every rank. That layout
+is recognised (the replaced forward is transformers' own, wrapping ``nn.Linear.forward``, with
+replicated input and output) and the loss is computed vocabulary-parallel from the local shard
+(:func:`~fused_ce_patch.vocab_parallel.vocab_parallel_linear_cross_entropy`): gradients reach the
+``DTensor`` parameters as ``Shard(0)`` shards and ``dH`` is all-reduced, as after the stock
+head. Any other tensor-parallel layout of the head raises naming it.
+
 Source: PEFT 0.21 ``tuners/lora/layer.py`` (``Linear.forward``) and ``utils/other.py``
 (``ModulesToSaveWrapper``) for what each wrapper computes; the concatenation is this project's.
 torch 2.13 ``distributed/fsdp/_fully_shard/_fsdp_state.py`` and
@@ -44,6 +55,7 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from ..loss import fused_linear_cross_entropy
+from ..vocab_parallel import dtensor_vocab_shard, vocab_parallel_linear_cross_entropy
 
 _ESCAPE = (
     "Train this model without the fused loss (apply_fused_ce(model, return_logits=True)), or "
@@ -107,10 +119,62 @@ def _check_no_hooks(module: nn.Module, name: str, owners: list | None = None):
         if not owners or owners[-1][1] is not module:
             owners.append((module, module))
     if "forward" in module.__dict__ and not hasattr(module, "_hf_hook"):
+        if tp_head_layout(module, name) is not None:  # transformers' tensor parallelism
+            return
         raise UnsupportedModelError(
             f"{name} ({type(module).__name__}) has a replaced forward on the instance, which the "
             f"fused loss would bypass. {_ESCAPE}"
         )
+
+
+def tp_head_layout(module: nn.Module, name: str = "lm_head"):
+    """The tensor-parallel layout transformers installed on ``module``, if any.
+
+    transformers 5.2x ``TensorParallelLayer.install_forward`` replaces ``module.forward`` on
+    the instance by a closure ``tp_forward`` over the style object, the mesh and the original
+    forward. The supported layout is the vocabulary-parallel head: a
+    ``ColwiseParallel`` style (``colwise_gather_output`` / ``colwise_rep``) with replicated
+    input and output around a plain ``nn.Linear.forward``.
+
+    Returns:
+        None when ``module.forward`` is not transformers' tensor-parallel forward, else the
+        style object (supported).
+
+    Raises:
+        UnsupportedModelError: transformers' tensor-parallel forward with another style or
+            layout (names it), or around a forward that is not ``nn.Linear``'s.
+    """
+    forward = module.__dict__.get("forward")
+    qualname = getattr(forward, "__qualname__", "")
+    if not (getattr(forward, "__module__", "") or "").startswith("transformers.") or not \
+            qualname.endswith("install_forward.<locals>.tp_forward"):
+        return None
+    cells = dict(zip(forward.__code__.co_freevars,
+                     (c.cell_contents for c in forward.__closure__ or ())))
+    style, inner = cells.get("self"), cells.get("original_forward")
+    layout = (f"{type(style).__name__}(input_layouts={getattr(style, 'input_layouts', None)}, "
+              f"output_layouts={getattr(style, 'output_layouts', None)})")
+    from torch.distributed.tensor import Replicate
+
+    supported = (
+        type(style).__name__ == "ColwiseParallel"
+        and getattr(style, "input_layouts", None) == Replicate()
+        and getattr(style, "output_layouts", None) == Replicate()
+        and not getattr(module, "_hf_quantized_needs_local_tp", False)
+    )
+    if not supported:
+        raise UnsupportedModelError(
+            f"{name} is a transformers tensor-parallel layer {layout}; the fused loss computes "
+            f"a tensor-parallel head only as colwise_gather_output (vocabulary split over a "
+            f"1-D mesh, replicated input and gathered output). {_ESCAPE}"
+        )
+    if getattr(inner, "__func__", None) is not nn.Linear.forward or \
+            getattr(inner, "__self__", None) is not module:
+        raise UnsupportedModelError(
+            f"{name}'s tensor-parallel forward {layout} wraps {inner!r}, not nn.Linear.forward "
+            f"of the head itself. {_ESCAPE}"
+        )
+    return style
 
 
 def _fsdp1_class():
@@ -216,9 +280,13 @@ def fused_head_loss(
     owners: list = []
     _resolve(head, name, check_only=True, owners=owners)
     vocab = []
+    tensor_parallel = tp_head_layout(head, name) is not None
 
     def loss_of(h):
         h, weight, bias = _resolve(head, name, hidden=h, owners=[])
+        if tensor_parallel:
+            return _vocab_parallel_loss(h, weight, bias, labels, logit_scale, name, vocab,
+                                        loss_kwargs)
         _check_gathered(weight, h, name, owners)
         if h.device != weight.device:  # model split over devices: do what lm_head's hook would
             h = h.to(weight.device)
@@ -232,6 +300,35 @@ def fused_head_loss(
 
     loss = _within(owners, hidden, loss_of)
     return loss, vocab[-1]
+
+
+def _vocab_parallel_loss(hidden, weight, bias, labels, logit_scale, name, vocab, loss_kwargs):
+    """The loss of a tensor-parallel head from this rank's vocabulary shard (module docstring).
+
+    ``backend`` is not used: the shard's chunks are computed with the ``torch`` backend's
+    arithmetic, which runs on every device."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    try:
+        weight, bias, start, size, group = dtensor_vocab_shard(weight, bias)
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{name} under tensor parallelism: {exc}. {_ESCAPE}") from exc
+    if isinstance(hidden, DTensor):
+        if tuple(hidden.placements) != (Replicate(),):
+            raise UnsupportedModelError(
+                f"the hidden states reaching the tensor-parallel {name} are a DTensor with "
+                f"placements {tuple(hidden.placements)} (sequence parallelism?); the fused loss "
+                f"needs them replicated. {_ESCAPE}"
+            )
+        hidden = hidden.to_local()
+    if hidden.device != weight.device:
+        hidden = hidden.to(weight.device)
+    options = {k: v for k, v in loss_kwargs.items() if k != "backend"}
+    vocab.append(size)
+    return vocab_parallel_linear_cross_entropy(
+        hidden, weight, labels.to(hidden.device), vocab_start=start, vocab_size=size,
+        group=group, bias_shard=bias, logit_scale=logit_scale, **options,
+    )
 
 
 def _within(owners, hidden, fn):
@@ -264,9 +361,11 @@ def _check_gathered(weight, hidden, name, owners):
     mode = ", ".join(sorted({_mode(o) for o in owners})) or "no gathering wrapper found"
     if type(weight).__name__ == "DTensor":
         raise UnsupportedModelError(
-            f"{name}.weight is a DTensor (sharded by FSDP2 fully_shard or tensor parallelism) "
-            f"when the fused loss reads it ({mode}); the fused loss needs the gathered weight. "
-            f"fully_shard the head's parent (or lm_head itself) so its call gathers it. {_ESCAPE}"
+            f"{name}.weight is a DTensor (sharded by FSDP2 fully_shard, or by tensor "
+            f"parallelism on a head that is not itself transformers' colwise_gather_output "
+            f"layer) when the fused loss reads it ({mode}); the fused loss needs the gathered "
+            f"weight. fully_shard the head's parent (or lm_head itself) so its call gathers it. "
+            f"{_ESCAPE}"
         )
     status = getattr(weight, "ds_status", None)
     if status is not None and getattr(status, "name", "") != "AVAILABLE":
