@@ -133,6 +133,7 @@ def patched_forward(stock, spec: ArchSpec):
 
     @functools.wraps(stock)
     def forward(self, *args, **kwargs):
+        skip_logits = kwargs.pop("skip_logits", None)  # ours (Trainer/TRL): never the stock's
         state = self.__dict__.get(STATE_ATTR)
         if state is not None:
             # An instance patch shadows the class attribute: if the class's forward changed
@@ -145,7 +146,6 @@ def patched_forward(stock, spec: ArchSpec):
         options = state.options if state is not None else slot.options
         if options is None:  # reverted: behave exactly as the stock forward
             return stock(self, *args, **kwargs)
-        skip_logits = kwargs.pop("skip_logits", None)
         if skip_logits is False or options.return_logits or return_logits_from_env():
             return stock(self, *args, **kwargs)
         if skip_logits is None and not (self.training and torch.is_grad_enabled()):
