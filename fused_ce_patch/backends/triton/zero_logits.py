@@ -46,6 +46,7 @@ import torch
 from ...errors import single_backward
 from ..base import LossSpec
 from ..chunked import finish_loss
+from . import zero_logits_inplace
 from .launch import CUDA_LAUNCHERS, Launchers, row_offsets, triton_cdiv
 
 #: float32 accumulator of dH for one group of rows (bytes).
@@ -162,23 +163,10 @@ class TritonZeroLogitsLinearCrossEntropy(torch.autograd.Function):
         dev = hidden.device
         n = hidden.numel() // hsize
 
-        dh = torch.zeros(n, hsize, dtype=hidden.dtype, device=dev) if need_h else None
-        dw = None
-        if need_w:
-            dw = torch.empty(vocab, hsize, dtype=weight.dtype, device=dev)
-            if dw.dtype == torch.float32:
-                dw.zero_()
-        db = torch.zeros(vocab, dtype=torch.float32, device=dev) if need_b else None
-
         if cfg.reduction == "none":
             scale = grad_out.reshape(-1).to(torch.float32).index_select(0, valid_rows)
         else:
             scale = grad_out.to(torch.float32) * cfg.scale
-
-        block_m = launchers.backward_block_m(weight)
-        group_rows = max(block_m, DH_GROUP_BYTES // (4 * hsize) // block_m * block_m)
-        group_rows = min(group_rows, triton_cdiv(max(m, 1), block_m) * block_m)
-        dh_acc = torch.empty(group_rows, hsize, dtype=torch.float32, device=dev) if need_h else None
 
         # The target column, in float32: coef_r = scale_r * dL/dz_{r, y_r}; it joins the
         # float32 accumulators before their (last) rounding.
@@ -196,6 +184,28 @@ class TritonZeroLogitsLinearCrossEntropy(torch.autograd.Function):
         if spec.softcap is not None:
             coef = coef * (1.0 - (z_t / spec.softcap) ** 2)
         coef = (coef * row_scale).contiguous()
+        plan = zero_logits_inplace.plan(hidden, weight, launchers, need_h, need_w, m)
+        if plan is not None:
+            dh, dw, db = zero_logits_inplace.backward(
+                plan, hidden, weight, bias, valid_rows, y_valid, row_off, lse,
+                row_scale.contiguous(), coef, spec, launchers, need_b,
+            )  # fmt: skip
+            return (dh.view(hidden.shape), dw, None if db is None else db.to(bias.dtype),
+                    None, None, None)  # fmt: skip
+
+        dh = torch.zeros(n, hsize, dtype=hidden.dtype, device=dev) if need_h else None
+        dw = None
+        if need_w:
+            dw = torch.empty(vocab, hsize, dtype=weight.dtype, device=dev)
+            if dw.dtype == torch.float32:
+                dw.zero_()
+        db = torch.zeros(vocab, dtype=torch.float32, device=dev) if need_b else None
+
+        block_m = launchers.backward_block_m(weight)
+        group_rows = max(block_m, DH_GROUP_BYTES // (4 * hsize) // block_m * block_m)
+        group_rows = min(group_rows, triton_cdiv(max(m, 1), block_m) * block_m)
+        dh_acc = torch.empty(group_rows, hsize, dtype=torch.float32, device=dev) if need_h else None
+
         by_label = launchers.sort_by_label(y_valid) if (need_w or need_b) else None
 
         groups = _vocab_groups(dw, vocab, hsize, dev)
