@@ -1,5 +1,6 @@
 """Zero-logits path of backends ``"triton"`` and ``"ascend"`` (``logits_budget=0``): no logits
-in device memory. The kernels are called through ``cfg.launchers``
+kept between forward and backward, and no memory for them beyond dH, dW and a few MiB. The
+kernels are called through ``cfg.launchers``
 (:class:`~.launch.Launchers`): the CUDA kernels named below by default, the NPU's
 persistent-grid variants for backend ``"ascend"``.
 
@@ -9,11 +10,19 @@ a running max / sum of exponentials, the target logit and (for label smoothing) 
 logits; the splits fill the GPU and are combined by a few small torch ops into one float32
 LSE and one loss per counted row.
 
-Backward (:func:`~.kernels.dhidden_dweight_backward_kernel`): the logit tiles are recomputed,
-turned into ``scale * dL/dz`` without each row's target column and multiplied into float32
-accumulators with atomics; the target column (one float32 coefficient per row, kernels module
-docstring) joins the same float32 accumulators before they are rounded. Gradients are exact
-(no filtering of small softmax values). Memory beyond dH and dW stays under 8 MiB:
+Backward, where it applies (16-bit inputs, dH and dW both wanted, ``V >= 2N``, not too many
+rows per hidden unit; :func:`.zero_logits_inplace.plan`): :mod:`.zero_logits_inplace`, one
+vocabulary chunk of recomputed logits at a time in dH's and dW's not-yet-filled storage,
+cuBLAS matmuls that each own their output — exact, bitwise repeatable, no float32 atomics,
+2.2-3.6x faster than the tiled backward below on an H200 (BENCHMARKS.md, 2026-12-02).
+
+Backward elsewhere, the tiled kernels (:func:`~.kernels.dhidden_dweight_backward_kernel`): the
+logit tiles are recomputed, turned into ``scale * dL/dz`` without each row's target column and
+multiplied into float32 accumulators with atomics (so the float32 summation order, and the
+last bits, may differ run to run); the target column (one float32 coefficient per row,
+kernels module docstring) joins the same float32 accumulators before they are rounded.
+Gradients are exact (no filtering of small softmax values). Memory beyond dH and dW stays
+under 8 MiB:
 
 - dW (16-bit weights) is accumulated in float32 *inside its own storage*: the vocabulary is
   processed in groups of halving size; a group of ``c`` rows takes ``2c`` rows of dW's free
@@ -27,10 +36,10 @@ docstring) joins the same float32 accumulators before they are rounded. Gradient
   column is added with the last group. When the weight needs no gradient (e.g. a frozen
   lm_head under LoRA) the vocabulary is one group and dH is rounded once.
 
-Speed: the float32 atomics bound the backward (about ``N*H*V/64`` element adds at 128 x 128
-tiles; 128 x 256 where ``H <= 1024`` and the GPU has the shared memory); on an H200 this path
-is 2.4-3.8x slower than Cut Cross-Entropy's filtered default and 2.6-11x slower than the
-chunked path (BENCHMARKS.md "## GPU"): it is the choice when memory, not time, is short.
+Speed of the tiled backward: the float32 atomics bound it (about ``N*H*V/64`` element adds at
+128 x 128 tiles; 128 x 256 where ``H <= 1024`` and the GPU has the shared memory); on an H200
+it was 2.4-3.8x slower than Cut Cross-Entropy's filtered default. It still runs at Gemma-3's
+shape (32K rows, H = 640), where the in-place backward is bandwidth-bound and slower.
 
 Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024), for the
 tiled forward and the recomputing backward; Milakov & Gimelshein (2018) for the online LSE.
