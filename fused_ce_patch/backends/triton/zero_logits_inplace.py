@@ -55,8 +55,6 @@ TAIL_SCRATCH_BYTES = 4 * 2**20
 #: bandwidth-bound. On an H200 it was 3.1x faster than the tiled kernels at N/H = 2
 #: (Llama-3, 8K rows) and 1.3x slower at N/H = 51 (Gemma-3-270M, 32K rows); BENCHMARKS.md.
 MAX_ROWS_PER_HIDDEN = 16
-#: Widest chunk (vocabulary columns) whose logits go in dW's free rows.
-MAX_CHUNK_COLS = 8192
 #: Fewest vocabulary columns a tail chunk should have; fewer: the tiled kernels run instead.
 MIN_TAIL_COLS = 16
 #: float32 accumulator start, in 16-bit elements: 16-byte aligned for the matmuls.
@@ -132,8 +130,7 @@ class _Chunks:
                  spec: LossSpec, launchers):  # fmt: skip
         n = p.h2.shape[0]
         dev = p.h2.device
-        self.p, self.weight, self.bias = p, weight, bias
-        self.spec, self.launchers = spec, launchers
+        self.p, self.weight, self.bias, self.spec, self.launchers = p, weight, bias, spec, launchers
         self.labels = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.labels.index_copy_(0, valid_rows, y_valid)
         self.lse = torch.zeros(n, dtype=torch.float32, device=dev).index_copy_(0, valid_rows, lse)
@@ -177,49 +174,27 @@ def backward(p: InPlacePlan, hidden, weight, bias, valid_rows, y_valid, row_off,
     acc = flat_w[p.acc_start : p.acc_start + 2 * n * hsize].view(torch.float32).view(n, hsize)
     acc.zero_()
     spare = dh.view(-1)  # dH's storage holds one chunk's logits until dH is formed
-    narrow = max(1, hsize // 2)  # float32 logits of N rows in N * H 16-bit elements
+    width = max(1, hsize // 2)  # float32 logits of N rows in N * H 16-bit elements
 
-    # columns below acc: logits in the free dW rows just under acc while they hold a wider
-    # chunk than dH's storage does, then in dH's storage
-    v0 = 0
-    while v0 < p.v_acc:
-        wide = min(MAX_CHUNK_COLS, (p.acc_start - v0 * hsize - _ALIGN) // (hsize + 2 * n))
-        c = min(max(wide, narrow), p.v_acc - v0)
-        if wide > narrow:
-            buf = flat_w[(p.acc_start - 2 * n * c) // _ALIGN * _ALIGN :]
-        else:
-            buf = spare
-        g = ch.grad(buf, v0, v0 + c)
-        _addmm_fp32_(acc, g, weight[v0 : v0 + c])
-        ch.dweight(g, dw, db, v0, v0 + c)
-        v0 += c
-    # columns under acc: their dH share now, their dW below
-    for u0 in range(p.v_acc, vocab, narrow):
-        u1 = min(u0 + narrow, vocab)
-        _addmm_fp32_(acc, ch.grad(spare, u0, u1), weight[u0:u1])
+    below = [(v0, min(v0 + width, p.v_acc)) for v0 in range(0, p.v_acc, width)]
+    under = [(v0, min(v0 + width, vocab)) for v0 in range(p.v_acc, vocab, width)]
+    for v0, v1 in below + under:
+        g = ch.grad(spare, v0, v1)
+        _addmm_fp32_(acc, g, weight[v0:v1])
+        if v1 <= p.v_acc:
+            ch.dweight(g, dw, db, v0, v1)
 
     launchers.dhidden_rows(acc, valid_rows, coef=coef, labels=y_valid, weight=weight,
                            accumulate=True)  # fmt: skip
-    # dH rounded once, parked at acc's first bytes; the dW rows above it and dH's storage
-    # are free for the upper columns' dW, then dH moves home and the rest follow
-    from .zero_logits import _round_into
+    dh.copy_(acc)  # the one rounding of dH
 
-    park = flat_w[p.acc_start : p.acc_start + n * hsize].view(n, hsize)
-    _round_into(park, acc, in_place=True)
-    p_end = -(-(p.acc_start + n * hsize) // hsize)
-    for u0 in range(p_end, vocab, narrow):
-        u1 = min(u0 + narrow, vocab)
-        ch.dweight(ch.grad(spare, u0, u1), dw, db, u0, u1)
-    dh.copy_(park)
-
-    # the last columns, top down; each chunk's logits in the free rows below it (then in a
-    # small buffer)
-    lo, hi = p.v_acc, min(p_end, vocab)
+    # dW of the rows under acc, top down; each chunk's logits in the free rows below it
+    lo, hi = p.v_acc, vocab
     tail = None
     while hi > lo:
         start = -(-lo * hsize // _ALIGN) * _ALIGN
         c = max(0, hi * hsize - start) // (2 * n + hsize)
-        if c > min(hi - lo, p.tail_cols):
+        if c >= p.tail_cols:
             buf = flat_w[start:]
         else:
             c = min(hi - lo, p.tail_cols)
