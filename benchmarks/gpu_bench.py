@@ -56,8 +56,9 @@ SHAPES = {
     "gemma3-270m": (32768, 640, 262144, None),
 }
 TINY = {"tiny": (64, 32, 1003, None), "tiny-softcap": (48, 24, 517, 30.0)}
-IMPLS = ["ours-chunked", "ours-chunked-232", "ours-zero", "ours-zero-tiled", "torch-naive", "torch-compile",
-         "liger", "cce", "cce-exact", "cce-compile", "trl-head", "cublas-3gemm"]  # fmt: skip
+IMPLS = ["ours-chunked", "ours-chunked-232", "ours-zero", "ours-zero-tiled", "torch-naive",
+         "torch-compile", "liger", "cce", "cce-exact", "cce-compile", "trl-head",
+         "cublas-3gemm"]  # fmt: skip
 MiB = 2**20
 
 

@@ -81,6 +81,8 @@ def plan(hidden, weight, launchers, need_h: bool, need_w: bool, n_valid: int):
         return None
     if hidden.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != hidden.dtype:
         return None
+    if hidden.device.type == "cuda" and not _cuda_fp32_out_matmuls():
+        return None
     vocab, hsize = weight.shape
     try:
         h2 = hidden.view(-1, hsize)
@@ -95,6 +97,20 @@ def plan(hidden, weight, launchers, need_h: bool, need_w: bool, n_valid: int):
         return None
     return InPlacePlan(h2=h2, acc_start=acc_start, v_acc=acc_start // hsize,
                        tail_cols=tail_cols)  # fmt: skip
+
+
+def _cuda_fp32_out_matmuls() -> bool:
+    """Whether torch has cuBLAS matmuls of 16-bit operands with a float32 output
+    (``mm``/``addmm`` with ``out_dtype``, torch >= 2.9) on this GPU: checked on NVIDIA only;
+    ROCm keeps the tiled kernels (not measured there)."""
+    if torch.version.hip is not None:
+        return False
+    try:
+        torch.ops.aten.mm.dtype_out
+        torch.ops.aten.addmm.dtype_out
+    except AttributeError:
+        return False
+    return True
 
 
 def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -130,7 +146,8 @@ class _Chunks:
                  spec: LossSpec, launchers):  # fmt: skip
         n = p.h2.shape[0]
         dev = p.h2.device
-        self.p, self.weight, self.bias, self.spec, self.launchers = p, weight, bias, spec, launchers
+        self.p, self.weight, self.bias = p, weight, bias
+        self.spec, self.launchers = spec, launchers
         self.labels = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.labels.index_copy_(0, valid_rows, y_valid)
         self.lse = torch.zeros(n, dtype=torch.float32, device=dev).index_copy_(0, valid_rows, lse)
