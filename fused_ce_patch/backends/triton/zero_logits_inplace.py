@@ -165,7 +165,8 @@ class _Chunks:
         z, g = _overlay(buf, h2.shape[0], v1 - v0)
         _mm_fp32_into(z, h2, self.weight[v0:v1].t())
         self.launchers.logits_grad_cols(z, g, self.bias, self.labels, self.lse, self.p_scale,
-                                        self.scale, v0, self.weight.shape[0], self.spec)  # fmt: skip
+                                        self.scale, v0, self.weight.shape[0],
+                                        self.spec)  # fmt: skip
         return g
 
     def dweight(self, g, dw, db, v0: int, v1: int) -> None:
