@@ -187,3 +187,9 @@ def test_steps_aside():
     assert zi.plan(h16, w16, object(), True, True, 30) is None  # launchers without the kernel
     strided = torch.randn(8, 5, 16, dtype=torch.bfloat16)[:, :, ::2].transpose(0, 1)
     assert zi.plan(strided, w16, CUDA_LAUNCHERS, True, True, 30) is None  # no [N, H] view
+    every_other = torch.randn(40, 16, dtype=torch.bfloat16)[:, ::2]  # columns not unit-stride
+    assert zi.plan(every_other, w16, CUDA_LAUNCHERS, True, True, 30) is None
+    assert zi.plan(h16, w16.t().contiguous().t(), CUDA_LAUNCHERS, True, True, 30) is None
+    many_rows = torch.randn(17 * 8, 8, dtype=torch.bfloat16)  # N > MAX_ROWS_PER_HIDDEN * H
+    assert zi.plan(many_rows, torch.randn(400, 8, dtype=torch.bfloat16), CUDA_LAUNCHERS,
+                   True, True, 30) is None  # fmt: skip

@@ -88,6 +88,8 @@ def plan(hidden, weight, launchers, need_h: bool, need_w: bool, n_valid: int):
         h2 = hidden.view(-1, hsize)
     except RuntimeError:  # leading dims not one stride: a copy would cost N*H memory
         return None
+    if h2.stride(1) != 1 or weight.stride(1) != 1:  # matmuls would copy the operand
+        return None
     n = h2.shape[0]
     if n > MAX_ROWS_PER_HIDDEN * hsize:
         return None
