@@ -8,28 +8,31 @@ product is a plain cuBLAS matmul that owns its output (no two programs write the
 element, so the result is the same bits run after run), and every reduction is in float32:
 
     acc   = float32 [N, H], in the last 2N rows of dW's storage     (dH's accumulator)
-    for each chunk C of columns below those rows (width H, in dH's storage):
-        G     = hidden @ W[C].T (+ b[C])        cuBLAS, input dtype
-        G     = logits_grad_cols(G)             Triton: scale * dL/dz, target column 0
+    for each chunk C of H/2 columns below those rows (its logits in dH's storage):
+        Z     = hidden @ W[C].T                 cuBLAS, float32 output
+        G     = logits_grad_cols(Z + b[C])      Triton: scale * dL/dz in the input dtype,
+                                                target column 0, written over Z row by row
         acc  += G @ W[C]                        cuBLAS, float32 output (reduction in float32)
         dW[C] = G.T @ hidden                    cuBLAS, written once
         db[C] = sum_rows G                      float32
-    for each chunk C of the last rows (those under acc): G as above, acc += G @ W[C]
+    for each chunk C of the last columns (those under acc): G as above, acc += G @ W[C]
     acc[r] += coef_r * W[y_r]; dH = acc                   target column in float32, one rounding
-    for the last rows, top down, in chunks whose G fits in the rows below them (then in a
-    TAIL_SCRATCH_BYTES buffer): G as above, dW[C] = G.T @ hidden, db[C]
+    for the last columns, top down, in chunks whose Z fits in the free rows below them (then
+    in a TAIL_SCRATCH_BYTES buffer): G as above, dW[C] = G.T @ hidden, db[C]
     dW[y] += sum_{r: y_r = y} coef_r * h_r                  target column, float32
 
-(The target column, ``coef_r``: kernels module docstring.) The matmuls run at cuBLAS speed;
-the vocabulary columns under ``acc`` (2N of V) are recomputed twice, so the backward costs
-``3 + 2N/V`` logits matmuls. dH is rounded once (float32 accumulator); dW once per element
-(its reduction over rows is inside one matmul), plus once more for the rows that are some
-row's target.
+The logits are float32 (as in forward, whose LSE the gradient uses: 16-bit logits against a
+float32 LSE tripled the gradient error in a test). The target column, ``coef_r``: kernels
+module docstring. The matmuls run at cuBLAS speed; the vocabulary columns under ``acc`` (2N
+of V) are recomputed twice, so the backward costs ``3 + 2N/V`` logits matmuls. dH is rounded
+once (float32 accumulator); dW once per element (its reduction over rows is inside one
+matmul), plus once more for the rows that are some row's target.
 
 Runs when hidden and weight both need gradients, are float16/bfloat16 of one dtype, the rows
-of ``hidden`` form one ``[N, H]`` matrix, ``V >= 2N``, ``N <= MAX_ROWS_PER_HIDDEN * H`` and
-the tail buffer holds a chunk of a useful width; otherwise the tiled kernels
-(:mod:`.zero_logits`) run.
+of ``hidden`` form one ``[N, H]`` matrix with unit column stride (and ``W`` unit column
+stride), ``V >= 2N``, ``N <= MAX_ROWS_PER_HIDDEN * H``, the tail buffer holds a chunk of a
+useful width, and (on GPUs) torch has float32-output matmuls for 16-bit operands on NVIDIA;
+otherwise the tiled kernels (:mod:`.zero_logits`) run.
 
 Source: the recomputing backward of Wijmans et al., "Cut Your Losses in Large-Vocabulary
 Language Models" (2024), reorganised by vocabulary chunks so that each product is one
@@ -52,7 +55,7 @@ TAIL_SCRATCH_BYTES = 4 * 2**20
 #: Most rows per hidden unit (``N / H``) for which the in-place backward runs. Its float32
 #: logits, their gradient and dH's float32 accumulator cross device memory ~30 bytes per
 #: logit, while its matmuls scale with ``N * V * H``: at small ``H`` and many rows it is
-#: bandwidth-bound. On an H200 it was 3.1x faster than the tiled kernels at N/H = 2
+#: bandwidth-bound. On an H200 it was 3.0x faster than the tiled kernels at N/H = 2
 #: (Llama-3, 8K rows) and 1.3x slower at N/H = 51 (Gemma-3-270M, 32K rows); BENCHMARKS.md.
 MAX_ROWS_PER_HIDDEN = 16
 #: Fewest vocabulary columns a tail chunk should have; fewer: the tiled kernels run instead.
