@@ -136,7 +136,9 @@ def test_tail_chunks(oracle, spy, monkeypatch, tail_bytes):
 
 def test_matches_the_tiled_kernels(oracle, spy, monkeypatch):
     """Both backwards are exact (float32 sums of the same products): their errors against
-    float64 agree to within a few percent."""
+    float64 agree to within a few percent for the loss, dH and dW. db, which the in-place
+    backward sums from the 16-bit gradient as PyTorch's own path does (the tiled kernels sum
+    float32 values), is held to PyTorch's error instead."""
     hidden, weight, labels, b = make(CASE, (2, 17), 31, 157, dtype=torch.bfloat16, bias=True,
                                      logit_std=3.0)  # fmt: skip
     errs = {}
@@ -144,8 +146,10 @@ def test_matches_the_tiled_kernels(oracle, spy, monkeypatch):
         monkeypatch.setattr(zi, "ENABLED", enabled)
         out = _run(oracle, hidden, weight, labels, b, label_smoothing=0.05)
         errs[enabled] = [oracle.rel_err(a, r) for a, r in zip(out["ours"], out["ref"])]
+        if enabled:
+            _check(oracle, out)
     assert spy == [1]
-    for new, old in zip(errs[True], errs[False]):
+    for new, old in zip(errs[True][:3], errs[False][:3]):
         assert new <= 1.1 * old + 1e-6, (errs[True], errs[False])
 
 
