@@ -8,6 +8,8 @@ Implementations (each skipped with a printed reason where it cannot run):
     ours-chunked     fused_linear_cross_entropy(backend="triton") at the default budget
     ours-chunked-232 the chunked path at a fixed 232 MiB budget (shapes whose default is larger)
     ours-zero        logits_budget=0 (no logits in device memory)
+    ours-zero-tiled  logits_budget=0 with the in-place backward switched off: the tiled
+                     kernels with float32 atomics (the zero-logits backward before 2026-12-02)
     torch-naive      F.linear in bf16, logits.float(), F.cross_entropy (HF's stock path)
     torch-compile    the same function under torch.compile
     liger            Liger-Kernel LigerFusedLinearCrossEntropyLoss
@@ -54,8 +56,9 @@ SHAPES = {
     "gemma3-270m": (32768, 640, 262144, None),
 }
 TINY = {"tiny": (64, 32, 1003, None), "tiny-softcap": (48, 24, 517, 30.0)}
-IMPLS = ["ours-chunked", "ours-chunked-232", "ours-zero", "torch-naive", "torch-compile",
-         "liger", "cce", "cce-exact", "cce-compile", "trl-head", "cublas-3gemm"]  # fmt: skip
+IMPLS = ["ours-chunked", "ours-chunked-232", "ours-zero", "ours-zero-tiled", "torch-naive",
+         "torch-compile", "liger", "cce", "cce-exact", "cce-compile", "trl-head",
+         "cublas-3gemm"]  # fmt: skip
 MiB = 2**20
 
 
@@ -160,11 +163,19 @@ def build(torch, impl, softcap, dev):
         from fused_ce_patch import fused_linear_cross_entropy
         from fused_ce_patch.backends.triton import DEFAULT_BUDGET
 
-        budget = {"ours-chunked": None, "ours-chunked-232": DEFAULT_BUDGET, "ours-zero": 0}
+        from fused_ce_patch.backends.triton import zero_logits_inplace
+
+        budget = {"ours-chunked": None, "ours-chunked-232": DEFAULT_BUDGET, "ours-zero": 0,
+                  "ours-zero-tiled": 0}  # fmt: skip
         b = budget[impl]
-        return lambda hd, w, y: fused_linear_cross_entropy(
-            hd, w, y, softcap=softcap, logits_budget=b, backend="triton"
-        )
+
+        def ours(hd, w, y):
+            # read in backward, which each timed step runs right after this forward
+            zero_logits_inplace.ENABLED = impl != "ours-zero-tiled"
+            return fused_linear_cross_entropy(hd, w, y, softcap=softcap, logits_budget=b,
+                                              backend="triton")  # fmt: skip
+
+        return ours
     if impl == "torch-naive":
         return naive
     if impl == "torch-compile":

@@ -923,3 +923,60 @@ def dhidden_dweight_backward_kernel(
                        HAS_BIAS, HAS_SOFTCAP, SMOOTHING, Z_LOSS, SCALE_MODE, NEED_H, NEED_W,
                        NEED_B, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H, EVEN_K, DOT_PRECISION,
                        UPCAST, FIX_RNE, ROW_ALIGN, FRESH_OPERANDS, ATOMIC_SEM)  # fmt: skip
+
+
+# -- zero-logits path, in-place backward: one vocabulary chunk of logits in spare storage ---
+
+
+@triton.jit
+def logits_grad_cols_kernel(z_ptr, stride_z, g_ptr, stride_g, b_ptr, labels_ptr, lse_ptr,
+                            p_scale_ptr, scale_ptr, n_rows, n_cols, v0, vocab, softcap,
+                            label_smoothing, HAS_BIAS: tl.constexpr,
+                            HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                            FIX_RNE: tl.constexpr):  # fmt: skip
+    """From float32 logits ``z[r, c]`` (row ``r``, vocabulary column ``v0 + c``, no bias),
+    the input-dtype gradient ``g[r, c] = scale_r * dL/dz`` without the target column:
+
+        g = exp(s - LSE_r) * p_scale_r - scale_r * eps / V     (times ds/dz with softcap)
+
+    with ``s`` the (bias-added, softcapped) logit and ``p_scale_r = scale_r * (1 + 2 * z_loss *
+    LSE_r)`` formed by the caller; 0 in each row's target column and in every row whose
+    label is negative (not counted).
+
+    ``g`` may overlay ``z``: row ``r`` of ``g`` may start at the first byte of row ``r`` of
+    ``z`` (``stride_g = 2 * stride_z`` in 16-bit elements). Each program owns ``BLOCK_R``
+    whole rows and walks them left to right; a block's stores land on bytes of this or
+    earlier blocks of its own rows, which every thread has read before the barrier. Grid
+    ``(cdiv(n_rows, BLOCK_R),)``; no atomics. ``labels`` int64; ``lse``, ``p_scale``,
+    ``scale`` float32 ``[n_rows]``.
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < n_rows
+    y = tl.load(labels_ptr + rows, mask=row_mask, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    p_scale = tl.load(p_scale_ptr + rows, mask=row_mask, other=0.0)
+    scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
+    counted = y >= 0
+    rows64 = tl.cast(rows, tl.int64)
+    local = tl.arange(0, BLOCK_C)
+    for c0 in range(0, n_cols, BLOCK_C):
+        cols = c0 + local
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        x = tl.load(z_ptr + rows64[:, None] * stride_z + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + cols, mask=cols < n_cols, other=0.0)
+            x += bias.to(tl.float32)[None, :]
+        if HAS_SOFTCAP:
+            t, slope = _tanh_and_slope(x * (1.0 / softcap))
+            x = softcap * t
+        g = tl.exp(x - lse[:, None]) * p_scale[:, None]
+        if SMOOTHING:
+            g -= (scale * (label_smoothing / vocab))[:, None]
+        if HAS_SOFTCAP:
+            g = g * slope
+        keep = counted[:, None] & (cols[None, :] != (y - v0)[:, None])
+        g = _cast(tl.where(keep, g, 0.0), g_ptr.dtype.element_ty, FIX_RNE)
+        tl.debug_barrier()  # every thread's loads of this block done before any store
+        tl.store(g_ptr + rows64[:, None] * stride_g + cols[None, :], g, mask=mask)

@@ -24,6 +24,7 @@ from ..base import LossSpec
 from .kernels import (
     dhidden_dweight_backward_kernel,
     dhidden_rows_store_kernel,
+    logits_grad_cols_kernel,
     logits_grad_inplace_kernel,
     lse_forward_kernel,
     scale_unless_one_kernel,
@@ -246,6 +247,11 @@ class Launchers(Protocol):
         (``[>= r, H]``), ``dw_acc`` (``[n_cols, H]``) and ``db`` (``[V]``), each float32 or
         None. ``scale``: a 0-d or an ``[r]`` float32 tensor."""
 
+    # Optional (the CUDA launchers have it; launchers without it keep the zero-logits path
+    # on :meth:`dhidden_dweight_backward`): ``logits_grad_cols(z, g, bias, labels, lse,
+    # p_scale, scale, v0, vocab, spec)``, the in-place backward's gradient of one vocabulary
+    # chunk of float32 logits ``z [N, c]`` (:func:`~.kernels.logits_grad_cols_kernel`).
+
 
 def _flags(spec: LossSpec) -> dict:
     """The loss options' compile-time switches."""
@@ -466,6 +472,27 @@ class CudaLaunchers:
             FIX_RNE=dev.type == "cpu", ROW_ALIGN=row_align(hidden), FRESH_OPERANDS=False,
             ATOMIC_SEM="relaxed", PERSISTENT=False,
             num_warps=tc.num_warps, num_stages=tc.num_stages,
+        )  # fmt: skip
+
+    def logits_grad_cols(self, z, g, bias, labels, lse, p_scale, scale, v0, vocab, spec):
+        """:func:`~.kernels.logits_grad_cols_kernel`: float32 logits ``z [N, c]`` of the
+        vocabulary columns ``[v0, v0 + c)`` to the input-dtype gradient ``g [N, c]`` (which
+        may overlay ``z``, row by row); ``bias`` ``[V]`` or None; ``labels`` int64 (< 0: row
+        not counted), ``lse``, ``p_scale``, ``scale`` float32 ``[N]``."""
+        n, c = z.shape
+        if n == 0 or c == 0:
+            return
+        if z.device.type == "cuda":
+            block_r, block_c, warps = 2, 1024, 4
+        else:
+            block_r, block_c, warps = 4, 32, 4
+        logits_grad_cols_kernel[(triton_cdiv(n, block_r),)](
+            z, z.stride(0), g, g.stride(0), bias if bias is not None else z, labels, lse,
+            p_scale, scale, n, c, v0, vocab,
+            float(spec.softcap or 1.0), float(spec.label_smoothing),
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=spec.softcap is not None,
+            SMOOTHING=spec.label_smoothing != 0.0,
+            BLOCK_R=block_r, BLOCK_C=block_c, FIX_RNE=z.device.type == "cpu", num_warps=warps,
         )  # fmt: skip
 
 

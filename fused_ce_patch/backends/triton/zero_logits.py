@@ -1,5 +1,6 @@
 """Zero-logits path of backends ``"triton"`` and ``"ascend"`` (``logits_budget=0``): no logits
-in device memory. The kernels are called through ``cfg.launchers``
+kept between forward and backward, and no memory for them beyond dH, dW and a few MiB. The
+kernels are called through ``cfg.launchers``
 (:class:`~.launch.Launchers`): the CUDA kernels named below by default, the NPU's
 persistent-grid variants for backend ``"ascend"``.
 
@@ -9,11 +10,19 @@ a running max / sum of exponentials, the target logit and (for label smoothing) 
 logits; the splits fill the GPU and are combined by a few small torch ops into one float32
 LSE and one loss per counted row.
 
-Backward (:func:`~.kernels.dhidden_dweight_backward_kernel`): the logit tiles are recomputed,
-turned into ``scale * dL/dz`` without each row's target column and multiplied into float32
-accumulators with atomics; the target column (one float32 coefficient per row, kernels module
-docstring) joins the same float32 accumulators before they are rounded. Gradients are exact
-(no filtering of small softmax values). Memory beyond dH and dW stays under 8 MiB:
+Backward, where it applies (16-bit inputs, dH and dW both wanted, ``V >= 2N``, not too many
+rows per hidden unit; :func:`.zero_logits_inplace.plan`): :mod:`.zero_logits_inplace`, one
+vocabulary chunk of recomputed logits at a time in dH's and dW's not-yet-filled storage,
+cuBLAS matmuls that each own their output — exact, bitwise repeatable, no float32 atomics,
+2.2-3.6x faster than the tiled backward below on an H200 (BENCHMARKS.md, 2026-12-02).
+
+Backward elsewhere, the tiled kernels (:func:`~.kernels.dhidden_dweight_backward_kernel`): the
+logit tiles are recomputed, turned into ``scale * dL/dz`` without each row's target column and
+multiplied into float32 accumulators with atomics (so the float32 summation order, and the
+last bits, may differ run to run); the target column (one float32 coefficient per row,
+kernels module docstring) joins the same float32 accumulators before they are rounded.
+Gradients are exact (no filtering of small softmax values). Memory beyond dH and dW stays
+under 8 MiB:
 
 - dW (16-bit weights) is accumulated in float32 *inside its own storage*: the vocabulary is
   processed in groups of halving size; a group of ``c`` rows takes ``2c`` rows of dW's free
@@ -27,10 +36,10 @@ docstring) joins the same float32 accumulators before they are rounded. Gradient
   column is added with the last group. When the weight needs no gradient (e.g. a frozen
   lm_head under LoRA) the vocabulary is one group and dH is rounded once.
 
-Speed: the float32 atomics bound the backward (about ``N*H*V/64`` element adds at 128 x 128
-tiles; 128 x 256 where ``H <= 1024`` and the GPU has the shared memory); on an H200 this path
-is 2.4-3.8x slower than Cut Cross-Entropy's filtered default and 2.6-11x slower than the
-chunked path (BENCHMARKS.md "## GPU"): it is the choice when memory, not time, is short.
+Speed of the tiled backward: the float32 atomics bound it (about ``N*H*V/64`` element adds at
+128 x 128 tiles; 128 x 256 where ``H <= 1024`` and the GPU has the shared memory); on an H200
+it was 2.4-3.8x slower than Cut Cross-Entropy's filtered default. It still runs at Gemma-3's
+shape (32K rows, H = 640), where the in-place backward is bandwidth-bound and slower.
 
 Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024), for the
 tiled forward and the recomputing backward; Milakov & Gimelshein (2018) for the online LSE.
@@ -46,6 +55,7 @@ import torch
 from ...errors import single_backward
 from ..base import LossSpec
 from ..chunked import finish_loss
+from . import zero_logits_inplace
 from .launch import CUDA_LAUNCHERS, Launchers, row_offsets, triton_cdiv
 
 #: float32 accumulator of dH for one group of rows (bytes).
@@ -162,23 +172,10 @@ class TritonZeroLogitsLinearCrossEntropy(torch.autograd.Function):
         dev = hidden.device
         n = hidden.numel() // hsize
 
-        dh = torch.zeros(n, hsize, dtype=hidden.dtype, device=dev) if need_h else None
-        dw = None
-        if need_w:
-            dw = torch.empty(vocab, hsize, dtype=weight.dtype, device=dev)
-            if dw.dtype == torch.float32:
-                dw.zero_()
-        db = torch.zeros(vocab, dtype=torch.float32, device=dev) if need_b else None
-
         if cfg.reduction == "none":
             scale = grad_out.reshape(-1).to(torch.float32).index_select(0, valid_rows)
         else:
             scale = grad_out.to(torch.float32) * cfg.scale
-
-        block_m = launchers.backward_block_m(weight)
-        group_rows = max(block_m, DH_GROUP_BYTES // (4 * hsize) // block_m * block_m)
-        group_rows = min(group_rows, triton_cdiv(max(m, 1), block_m) * block_m)
-        dh_acc = torch.empty(group_rows, hsize, dtype=torch.float32, device=dev) if need_h else None
 
         # The target column, in float32: coef_r = scale_r * dL/dz_{r, y_r}; it joins the
         # float32 accumulators before their (last) rounding.
@@ -196,6 +193,28 @@ class TritonZeroLogitsLinearCrossEntropy(torch.autograd.Function):
         if spec.softcap is not None:
             coef = coef * (1.0 - (z_t / spec.softcap) ** 2)
         coef = (coef * row_scale).contiguous()
+        plan = zero_logits_inplace.plan(hidden, weight, launchers, need_h, need_w, m)
+        if plan is not None:
+            dh, dw, db = zero_logits_inplace.backward(
+                plan, hidden, weight, bias, valid_rows, y_valid, row_off, lse,
+                row_scale.contiguous(), coef, spec, launchers, need_b,
+            )  # fmt: skip
+            return (dh.view(hidden.shape), dw, None if db is None else db.to(bias.dtype),
+                    None, None, None)  # fmt: skip
+
+        dh = torch.zeros(n, hsize, dtype=hidden.dtype, device=dev) if need_h else None
+        dw = None
+        if need_w:
+            dw = torch.empty(vocab, hsize, dtype=weight.dtype, device=dev)
+            if dw.dtype == torch.float32:
+                dw.zero_()
+        db = torch.zeros(vocab, dtype=torch.float32, device=dev) if need_b else None
+
+        block_m = launchers.backward_block_m(weight)
+        group_rows = max(block_m, DH_GROUP_BYTES // (4 * hsize) // block_m * block_m)
+        group_rows = min(group_rows, triton_cdiv(max(m, 1), block_m) * block_m)
+        dh_acc = torch.empty(group_rows, hsize, dtype=torch.float32, device=dev) if need_h else None
+
         by_label = launchers.sort_by_label(y_valid) if (need_w or need_b) else None
 
         groups = _vocab_groups(dw, vocab, hsize, dev)

@@ -1,0 +1,232 @@
+"""In-place backward of the zero-logits path (``logits_budget=0``): exact, deterministic, no
+float32 atomics, and no memory beyond dH, dW and a few MiB.
+
+The logits are recomputed in backward one *vocabulary chunk* at a time, for every row of
+``hidden`` (rows not counted get a zero gradient), into storage that backward has to allocate
+anyway and has not filled yet: dH's own storage, then the not-yet-written rows of dW. Every
+product is a plain cuBLAS matmul that owns its output (no two programs write the same
+element, so the result is the same bits run after run), and every reduction is in float32:
+
+    acc   = float32 [N, H], in the last 2N rows of dW's storage     (dH's accumulator)
+    for each chunk C of H/2 columns below those rows (its logits in dH's storage):
+        Z     = hidden @ W[C].T                 cuBLAS, float32 output
+        G     = logits_grad_cols(Z + b[C])      Triton: scale * dL/dz in the input dtype,
+                                                target column 0, written over Z row by row
+        acc  += G @ W[C]                        cuBLAS, float32 output (reduction in float32)
+        dW[C] = G.T @ hidden                    cuBLAS, written once
+        db[C] = sum_rows G                      float32
+    for each chunk C of the last columns (those under acc): G as above, acc += G @ W[C]
+    acc[r] += coef_r * W[y_r]; dH = acc                   target column in float32, one rounding
+    for the last columns, top down, in chunks whose Z fits in the free rows below them (then
+    in a TAIL_SCRATCH_BYTES buffer): G as above, dW[C] = G.T @ hidden, db[C]
+    dW[y] += sum_{r: y_r = y} coef_r * h_r                  target column, float32
+
+The logits are float32 (as in forward, whose LSE the gradient uses: 16-bit logits against a
+float32 LSE tripled the gradient error in a test). The target column, ``coef_r``: kernels
+module docstring. The matmuls run at cuBLAS speed; the vocabulary columns under ``acc`` (2N
+of V) are recomputed twice, so the backward costs ``3 + 2N/V`` logits matmuls. dH is rounded
+once (float32 accumulator); dW once per element (its reduction over rows is inside one
+matmul), plus once more for the rows that are some row's target.
+
+Runs when hidden and weight both need gradients, are float16/bfloat16 of one dtype, the rows
+of ``hidden`` form one ``[N, H]`` matrix with unit column stride (and ``W`` unit column
+stride), ``V >= 2N``, ``N <= MAX_ROWS_PER_HIDDEN * H``, the tail buffer holds a chunk of a
+useful width, and (on GPUs) torch has float32-output matmuls for 16-bit operands on NVIDIA;
+otherwise the tiled kernels (:mod:`.zero_logits`) run.
+
+Source: the recomputing backward of Wijmans et al., "Cut Your Losses in Large-Vocabulary
+Language Models" (2024), reorganised by vocabulary chunks so that each product is one
+ordinary matmul; the in-place float32 accumulation in an output's spare storage as in
+:func:`.zero_logits._vocab_groups`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..base import LossSpec
+
+#: Whether the in-place backward may run (tests switch it off to reach the tiled kernels).
+ENABLED = True
+#: Scratch for the last chunks of dW, whose logits no longer fit in free storage (bytes).
+TAIL_SCRATCH_BYTES = 4 * 2**20
+#: Most rows per hidden unit (``N / H``) for which the in-place backward runs. Its float32
+#: logits, their gradient and dH's float32 accumulator cross device memory ~30 bytes per
+#: logit, while its matmuls scale with ``N * V * H``: at small ``H`` and many rows it is
+#: bandwidth-bound. On an H200 it was 3.0x faster than the tiled kernels at N/H = 2
+#: (Llama-3, 8K rows) and 1.3x slower at N/H = 51 (Gemma-3-270M, 32K rows); BENCHMARKS.md.
+MAX_ROWS_PER_HIDDEN = 16
+#: Fewest vocabulary columns a tail chunk should have; fewer: the tiled kernels run instead.
+MIN_TAIL_COLS = 16
+#: float32 accumulator start, in 16-bit elements: 16-byte aligned for the matmuls.
+_ALIGN = 8
+
+
+@dataclass(frozen=True)
+class InPlacePlan:
+    """Where things live: ``h2`` the ``[N, H]`` view of hidden; dH's float32 accumulator
+    starts at element ``acc_start`` of dW's storage (so vocabulary rows ``>= v_acc`` are under
+    it); tail chunks have at most ``tail_cols`` columns."""
+
+    h2: torch.Tensor
+    acc_start: int
+    v_acc: int
+    tail_cols: int
+
+
+def plan(hidden, weight, launchers, need_h: bool, need_w: bool, n_valid: int):
+    """An :class:`InPlacePlan`, or None where the tiled kernels must run (module docstring)."""
+    if not (ENABLED and need_h and need_w and n_valid > 0):
+        return None
+    if not hasattr(launchers, "logits_grad_cols"):
+        return None
+    if hidden.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != hidden.dtype:
+        return None
+    if hidden.device.type == "cuda" and not _cuda_fp32_out_matmuls():
+        return None
+    vocab, hsize = weight.shape
+    try:
+        h2 = hidden.view(-1, hsize)
+    except RuntimeError:  # leading dims not one stride: a copy would cost N*H memory
+        return None
+    if h2.stride(1) != 1 or weight.stride(1) != 1:  # matmuls would copy the operand
+        return None
+    n = h2.shape[0]
+    if n > MAX_ROWS_PER_HIDDEN * hsize:
+        return None
+    acc_start = (vocab * hsize - 2 * n * hsize) // _ALIGN * _ALIGN
+    tail_cols = TAIL_SCRATCH_BYTES // (4 * n)  # float32 logits
+    if acc_start < 0 or hsize < 2 or tail_cols < MIN_TAIL_COLS:
+        return None
+    return InPlacePlan(h2=h2, acc_start=acc_start, v_acc=acc_start // hsize,
+                       tail_cols=tail_cols)  # fmt: skip
+
+
+def _cuda_fp32_out_matmuls() -> bool:
+    """Whether torch has cuBLAS matmuls of 16-bit operands with a float32 output
+    (``mm``/``addmm`` with ``out_dtype``, torch >= 2.9) on this GPU: checked on NVIDIA only;
+    ROCm keeps the tiled kernels (not measured there)."""
+    if torch.version.hip is not None:
+        return False
+    try:
+        torch.ops.aten.mm.dtype_out
+        torch.ops.aten.addmm.dtype_out
+    except AttributeError:
+        return False
+    return True
+
+
+def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with float32 ``acc`` and 16-bit ``a``, ``b``, reduced in float32.
+    CUDA: one cuBLAS call with a float32 output (``out_dtype``); elsewhere (CPU under the
+    interpreter) the float32 product of the exactly widened operands."""
+    if acc.device.type == "cuda":
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
+def _mm_fp32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b``, float32 ``out``, 16-bit operands, reduced in float32 (as above)."""
+    if out.device.type == "cuda":
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
+def _overlay(buf: torch.Tensor, n: int, c: int):
+    """``(z, g)`` on the 16-bit 1-D ``buf`` (16-byte aligned start): float32 ``z [n, c]`` and
+    the 16-bit ``g [n, c]`` whose row ``r`` starts at the first byte of ``z``'s row ``r``."""
+    flat = buf[: 2 * n * c]
+    return flat.view(torch.float32).view(n, c), flat.view(n, 2 * c)[:, :c]
+
+
+class _Chunks:
+    """The per-row inputs of :meth:`Launchers.logits_grad_cols` over all ``N`` rows, and the
+    matmuls of one vocabulary chunk."""
+
+    def __init__(self, p: InPlacePlan, weight, bias, valid_rows, y_valid, lse, row_scale,
+                 spec: LossSpec, launchers):  # fmt: skip
+        n = p.h2.shape[0]
+        dev = p.h2.device
+        self.p, self.weight, self.bias = p, weight, bias
+        self.spec, self.launchers = spec, launchers
+        self.labels = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.labels.index_copy_(0, valid_rows, y_valid)
+        self.lse = torch.zeros(n, dtype=torch.float32, device=dev).index_copy_(0, valid_rows, lse)
+        self.scale = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.scale.index_copy_(0, valid_rows, row_scale)
+        if spec.z_loss:
+            self.p_scale = self.scale * (1.0 + 2.0 * spec.z_loss * self.lse)
+        else:
+            self.p_scale = self.scale
+
+    def grad(self, buf: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
+        """``G [N, v1 - v0]`` (input dtype) of the columns ``[v0, v1)``, from float32 logits,
+        both in ``buf``'s first ``4 N (v1 - v0)`` bytes (:func:`_overlay`)."""
+        h2 = self.p.h2
+        z, g = _overlay(buf, h2.shape[0], v1 - v0)
+        _mm_fp32_into(z, h2, self.weight[v0:v1].t())
+        self.launchers.logits_grad_cols(z, g, self.bias, self.labels, self.lse, self.p_scale,
+                                        self.scale, v0, self.weight.shape[0],
+                                        self.spec)  # fmt: skip
+        return g
+
+    def dweight(self, g, dw, db, v0: int, v1: int) -> None:
+        torch.mm(g.t(), self.p.h2, out=dw[v0:v1])
+        if db is not None:
+            db[v0:v1] += g.sum(0, dtype=torch.float32)
+
+
+def backward(p: InPlacePlan, hidden, weight, bias, valid_rows, y_valid, row_off, lse,
+             row_scale, coef, spec: LossSpec, launchers, need_b: bool):  # fmt: skip
+    """``(dH [N, H], dW [V, H], db float32 [V] or None)`` of the counted rows (module
+    docstring); ``row_scale`` ``[M]`` float32 upstream multipliers, ``coef`` ``[M]`` the target
+    column's float32 values."""
+    h2 = p.h2
+    n, hsize = h2.shape
+    vocab = weight.shape[0]
+    dev, dt = h2.device, h2.dtype
+    dh = torch.empty(n, hsize, dtype=dt, device=dev)
+    dw = torch.empty(vocab, hsize, dtype=dt, device=dev)
+    db = torch.zeros(vocab, dtype=torch.float32, device=dev) if need_b else None
+    ch = _Chunks(p, weight, bias, valid_rows, y_valid, lse, row_scale, spec, launchers)
+    flat_w = dw.view(-1)
+    acc = flat_w[p.acc_start : p.acc_start + 2 * n * hsize].view(torch.float32).view(n, hsize)
+    acc.zero_()
+    spare = dh.view(-1)  # dH's storage holds one chunk's logits until dH is formed
+    width = max(1, hsize // 2)  # float32 logits of N rows in N * H 16-bit elements
+
+    below = [(v0, min(v0 + width, p.v_acc)) for v0 in range(0, p.v_acc, width)]
+    under = [(v0, min(v0 + width, vocab)) for v0 in range(p.v_acc, vocab, width)]
+    for v0, v1 in below + under:
+        g = ch.grad(spare, v0, v1)
+        _addmm_fp32_(acc, g, weight[v0:v1])
+        if v1 <= p.v_acc:
+            ch.dweight(g, dw, db, v0, v1)
+
+    launchers.dhidden_rows(acc, valid_rows, coef=coef, labels=y_valid, weight=weight,
+                           accumulate=True)  # fmt: skip
+    dh.copy_(acc)  # the one rounding of dH
+
+    # dW of the rows under acc, top down; each chunk's logits in the free rows below it
+    lo, hi = p.v_acc, vocab
+    tail = None
+    while hi > lo:
+        start = -(-lo * hsize // _ALIGN) * _ALIGN
+        c = max(0, hi * hsize - start) // (2 * n + hsize)
+        if c >= p.tail_cols:
+            buf = flat_w[start:]
+        else:
+            c = min(hi - lo, p.tail_cols)
+            if tail is None:
+                tail = torch.empty(2 * n * p.tail_cols, dtype=dt, device=dev)
+            buf = tail
+        g = ch.grad(buf, hi - c, hi)
+        ch.dweight(g, dw, db, hi - c, hi)
+        hi -= c
+
+    launchers.target_dweight(dw, db, y_valid, coef, hidden, row_off)
+    return dh, dw, db
