@@ -341,3 +341,48 @@ def test_evaluate_with_an_all_ignored_batch_as_stock(how, tmp_path, spy):
     assert spy.count == (3 if how == "flag" else 0)
     assert torch.isfinite(torch.tensor(want["eval_loss"]))
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=LOSS_RTOL)
+
+
+# -- wrappers of other libraries around the composed model --------------------------------------
+
+
+def test_peft_lora_model_with_a_class_wrapper(spy, restore_llama_forward):
+    """PEFT around a model whose class forward a user wrapped: the wrapper runs around the
+    fused forward, LoRA's adapters get their gradients, numbers as stock."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    LLAMA.forward = _doubling(LLAMA.forward)
+    cfg = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                     target_modules=["q_proj", "v_proj", "lm_head"])
+    torch.manual_seed(0)
+    model = get_peft_model(build_model("llama"), cfg)
+    ref = reference_copy(model)
+    apply_fused_ce(model)
+    _compare(model, ref, batch(), True, spy)
+
+
+def test_accelerate_prepared_model_with_a_class_wrapper(spy, restore_llama_forward):
+    from accelerate import Accelerator
+
+    LLAMA.forward = _doubling(LLAMA.forward)
+    model = build_model("llama")
+    ref = reference_copy(model)
+    model = Accelerator(cpu=True).prepare(model)
+    apply_fused_ce(model)
+    _compare(model, ref, batch(), True, spy)
+
+
+def test_deepcopy_after_a_class_change_runs_the_live_class(spy, restore_llama_forward):
+    model = build_model("llama")
+    ref = reference_copy(model)
+    apply_fused_ce(model)
+    LLAMA.forward = _doubling(LLAMA.forward)
+    clone = copy.deepcopy(model)
+    assert is_fused_ce_applied(clone)
+    with pytest.warns(RuntimeWarning, match="class's forward changed"):
+        _compare(clone, ref, batch(), False, spy)
+    apply_fused_ce(clone)  # re-derived from the wrapped forward: fused, wrapper included
+    clone.zero_grad(), ref.zero_grad()
+    spy.calls.clear()
+    _compare(clone, ref, batch(), True, spy)
