@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from ..errors import UnsupportedModelError
 from .registry import stock_forward_of, wraps_patched
 
-# Names the rewritten forward calls; injected into its globals (see forward.py).
+# Names the rewritten forward calls: parameters of its factory, so closure variables of the
+# rewrite (bound by forward.py), never names added to the modeling module.
 DEFER = "__fused_ce_defer__"
 TRANSFORM = "__fused_ce_transform__"
 LOSS = "__fused_ce_loss__"
