@@ -11,6 +11,14 @@ class UnsupportedModelError(ValueError):
     """``apply_fused_ce`` was given a model whose architecture has no patch."""
 
 
+class LabelOutOfRangeError(ValueError, IndexError):
+    """A label outside ``[0, V)`` that is not ``ignore_index``.
+
+    A ``ValueError`` (the contract, DESIGN §5) and an ``IndexError`` (what ``F.cross_entropy``
+    raises for it on CPU), so code written against either catches it.
+    """
+
+
 class LogitsNotMaterializedError(RuntimeError):
     """Something used ``outputs.logits`` after the fused loss path, which never builds them."""
 

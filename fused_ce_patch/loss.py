@@ -15,6 +15,7 @@ from torch import nn
 
 from . import backends
 from .backends.base import LossSpec, Problem
+from .errors import LabelOutOfRangeError
 from .backends.nonfinite_scale import run_nonfinite_scale
 from .types import BackendName, Reduction
 
@@ -451,7 +452,7 @@ def _check_labels_and_num_items(labels, vocab: int, ignore_index: int, num_items
         num_items = struct.unpack("<f", struct.pack("<I", values[3] & 0xFFFFFFFF))[0]
     if lo < 0 or hi >= vocab:
         bad = lo if lo < 0 else hi
-        raise ValueError(
+        raise LabelOutOfRangeError(
             f"label {bad} is outside [0, V) with V = {vocab} and is not "
             f"ignore_index = {ignore_index}"
         )

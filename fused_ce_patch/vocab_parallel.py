@@ -43,7 +43,7 @@ import torch.distributed as dist
 from .backends.base import LossSpec
 from .backends.chunked import RowSource, finish_loss, plan_chunks
 from .backends.torch_chunked import DEFAULT_BUDGET, MIN_TILE_BYTES, TorchKernel
-from .errors import single_backward
+from .errors import LabelOutOfRangeError, single_backward
 from .loss import check_logits_budget
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -162,7 +162,7 @@ def vocab_parallel_linear_cross_entropy(
         _check_replicated(group, hidden, flat, n_valid, vocab_start, shard, vocab_size)
     bad = flat[counted & ((flat < 0) | (flat >= vocab_size))]
     if bad.numel():
-        raise ValueError(
+        raise LabelOutOfRangeError(
             f"label {bad[0].item()} is outside [0, V) with V = {vocab_size} and is not "
             f"ignore_index = {ignore_index}"
         )

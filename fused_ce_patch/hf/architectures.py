@@ -250,7 +250,8 @@ def _collapse(ops, where):
 
 
 def _conditional_ops(stmt, name, where):
-    """``if E is not None: <transform statements>`` whose ops all use ``E``; else None."""
+    """``(ops, guard)`` for ``if E is not None:`` (guard ``"notnone"``) or ``if E:`` (``"truthy"``)
+    around transform statements whose ops all use ``E``; else None."""
     if not isinstance(stmt, ast.If) or stmt.orelse:
         return None
     test = stmt.test
@@ -258,9 +259,9 @@ def _conditional_ops(stmt, name, where):
             and isinstance(test.ops[0], ast.IsNot)
             and isinstance(test.comparators[0], ast.Constant)
             and test.comparators[0].value is None):
-        guarded = test.left
+        guarded, guard = test.left, "notnone"
     elif isinstance(test, (ast.Attribute, ast.Name, ast.NamedExpr)):
-        guarded = test  # `if self.config.final_logit_softcapping:` (None or 0 both mean off)
+        guarded, guard = test, "truthy"  # `if self.config.final_logit_softcapping:` (0 is off)
     else:
         return None
     # `if (c := self.config....) is not None:` — the ops use `c`; the recorded op evaluates
@@ -279,7 +280,7 @@ def _conditional_ops(stmt, name, where):
         return None
     if walrus is not None:
         ops = [(kind, walrus) for kind, _ in ops]
-    return ops
+    return ops, guard
 
 
 def _call(func: str, *args) -> ast.Call:
@@ -337,13 +338,14 @@ def _derive(klass: type, stock) -> ArchSpec:
             continue
         cond = _conditional_ops(stmt, name, where)
         if cond is not None:
-            ops.extend(("softcap?" if k == "softcap" else k + "?", e) for k, e in cond)
+            # "kind?guard": the op runs when the guard holds (`is not None`, or truthiness)
+            ops.extend((f"{k}?{cond[1]}", e) for k, e in cond[0])
             continue
         raise UnsupportedModelError(
             f"{where}: unknown statement between the head and the loss: "
             f"`{ast.unparse(stmt).splitlines()[0]}`"
         )
-    plain = [(k.rstrip("?"), e) for k, e in ops]
+    plain = [(k.split("?")[0], e) for k, e in ops]
     transform = _collapse(plain, where)
     # Record every op on the deferred logits, in order (conditional ones skip None/0 at run).
     recorded = []
@@ -351,13 +353,13 @@ def _derive(klass: type, stock) -> ArchSpec:
     folded = []
     while i < len(ops):
         kind, expr = ops[i]
-        base = kind.rstrip("?")
-        if (base == "div" and i + 2 < len(ops) and ops[i + 1][0].rstrip("?") == "tanh"
-                and ops[i + 2][0].rstrip("?") == "mul"):
-            folded.append(("softcap", expr, kind.endswith("?")))
+        base, _, guard = kind.partition("?")
+        if (base == "div" and i + 2 < len(ops) and ops[i + 1][0].split("?")[0] == "tanh"
+                and ops[i + 2][0].split("?")[0] == "mul"):
+            folded.append(("softcap", expr, guard or False))
             i += 3
             continue
-        folded.append((base, expr, kind.endswith("?")))
+        folded.append((base, expr, guard or False))
         i += 1
     for kind, expr, optional in folded:
         # `.float()` is recorded too: a no-op for the fused loss, replayed when a call has to

@@ -42,6 +42,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
+import numbers
 import os
 import warnings
 
@@ -181,13 +183,16 @@ class DeferredLogits:
             float, or a 0-d tensor when an operand requires grad.
         softcap: final-logit softcap ``c`` (None: off).
         ops: every transform as recorded, ``(kind, operand)``, to replay on real logits.
+        real: the stock logits once this call materialised them (:func:`materialize`), else
+            None.
     """
 
-    __slots__ = ("model", "hidden", "head", "scale", "softcap", "options", "ops")
+    __slots__ = ("model", "hidden", "head", "scale", "softcap", "options", "ops", "real")
 
     def __init__(self, model, hidden, head, options):
         self.model, self.hidden, self.head, self.options = model, hidden, head, options
         self.scale, self.softcap, self.ops = None, None, []
+        self.real = None  # the stock logits, once a call had to materialise them
 
     def __repr__(self):
         return f"DeferredLogits(hidden={tuple(self.hidden.shape)}, scale={self.scale}, " \
@@ -235,30 +240,70 @@ def _apply_op(logits: torch.Tensor, kind: str, value):
     return logits.float()  # "float"
 
 
-def materialize(logits: DeferredLogits) -> torch.Tensor:
-    """The stock logits: the head module called on the hidden states, then every transform."""
-    out = logits.head(logits.hidden)
-    for kind, value in logits.ops:
-        out = _apply_op(out, kind, value)
-    return out
+def materialize(logits: DeferredLogits, reason: str) -> torch.Tensor:
+    """The stock logits for this call: the head module called on the hidden states, then every
+    recorded transform statement as the stock code writes it. The rewritten forward carries on
+    with them (stock loss, real ``outputs.logits``): the stock computation from the head call
+    on, without running the decoder twice. Warns once per class and reason."""
+    if logits.real is None:
+        warn_stock_path(logits.model, reason)
+        out = logits.head(logits.hidden)
+        for kind, value in logits.ops:
+            out = _apply_op(out, kind, value)
+        logits.real = out
+    return logits.real
 
 
-def _transform(logits, kind: str, value, optional: bool):
-    if optional and (value is None or value is False or (
-            not isinstance(value, torch.Tensor) and not value)):
-        return logits  # `if config.final_logit_softcapping is not None:` was false
+def _skipped(value, optional) -> bool:
+    """Whether the stock code's guard around a transform skipped it for this ``value``."""
+    if optional == "notnone":
+        return value is None
+    if optional == "truthy":  # `if E:`; a tensor of several values is left to the operand check
+        if isinstance(value, torch.Tensor):
+            return value.numel() == 1 and not bool(value)
+        return not value
+    return False
+
+
+def _odd_operand(kind: str, value) -> str | None:
+    """Why the fused loss cannot take this transform operand as a scalar, or None."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return f"its logit {kind} operand has shape {tuple(value.shape)}, not a scalar"
+        if value.requires_grad and torch.is_grad_enabled() and kind == "softcap":
+            return "its final-logit softcap requires grad"
+        if value.requires_grad and torch.is_grad_enabled():
+            return None  # folded into the hidden states as a tensor
+        value = value.item()
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return f"its logit {kind} operand {value!r} is not a number"
+    if not math.isfinite(value) or (kind == "softcap" and value <= 0) or (
+            kind == "div" and value == 0):
+        return f"its logit {kind} operand is {value}"
+    return None
+
+
+def _transform(logits, kind: str, value, optional):
+    if _skipped(value, optional):
+        return logits  # e.g. `if config.final_logit_softcapping is not None:` was false
     if isinstance(logits, torch.Tensor):  # already materialised: the stock statement itself
         return _apply_op(logits, kind, value)
     logits.ops.append((kind, value))
+    if logits.real is not None:
+        logits.real = _apply_op(logits.real, kind, value)
+        return logits
     if kind == "float":
         return logits
+    odd = _odd_operand(kind, value)
+    if odd is None and logits.softcap is not None and kind != "softcap":
+        odd = "a logit scale follows its softcap"
+    if odd is not None:
+        materialize(logits, odd)
+        return logits
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"fused_ce_patch: logit {kind} must be a scalar, got {value.shape}")
         if value.requires_grad and torch.is_grad_enabled():
-            if kind == "softcap":  # no exact fused gradient for c: the stock computation
-                warn_stock_path(logits.model, "its final-logit softcap requires grad")
-                return materialize(logits)
             # (s h) W^T + s b = s (h W^T + b): autograd gives s its exact gradient
             factor = value.reshape(()) if kind == "mul" else 1.0 / value.reshape(())
             logits.scale = factor if logits.scale is None else logits.scale * factor
@@ -268,8 +313,6 @@ def _transform(logits, kind: str, value, optional: bool):
     if kind == "softcap":
         logits.softcap = value
         return logits
-    if logits.softcap is not None:
-        raise ValueError("fused_ce_patch: a logit scale after the softcap is not supported")
     factor = value if kind == "mul" else 1.0 / value
     logits.scale = factor if logits.scale is None else logits.scale * factor
     return logits
@@ -277,17 +320,76 @@ def _transform(logits, kind: str, value, optional: bool):
 
 def _done(logits):
     if isinstance(logits, DeferredLogits):
+        if logits.real is not None:
+            return logits.real
         return NotMaterializedLogits((*logits.hidden.shape[:-1], logits.head.out_features
                                       if hasattr(logits.head, "out_features")
                                       else head_operands(logits.head, logits.hidden)[1].shape[0]))
     return logits
 
 
+def _functorch_active() -> bool:
+    probe = getattr(torch._C._functorch, "_are_functorch_transforms_active", None) \
+        if hasattr(torch._C, "_functorch") else None
+    return bool(probe()) if probe is not None else False
+
+
+def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
+                  num_items_in_batch) -> str | None:
+    """Why this call's loss should be the stock computation (real logits), or None.
+
+    Everything the stock loss would treat differently from the fused one, or refuse with
+    another exception: a head that cannot be read as one linear map now (a hook or a new head
+    module added after the patch), labels of another dtype than int64, a ``vocab_size`` that is
+    not the head's, a ``num_items_in_batch`` that is not a real number, 16-bit/32-bit operands
+    mixed outside autocast, and functorch transforms (``torch.func.grad``, ``vmap``), which
+    the fused ``autograd.Function`` does not support.
+    """
+    from ..errors import UnsupportedModelError
+    from .head import check_head
+
+    try:
+        check_head(logits.head)
+    except UnsupportedModelError as exc:
+        return f"its lm_head cannot be read as one linear map now ({str(exc).split('. ')[0]})"
+    target = shift_labels if shift_labels is not None else labels
+    if isinstance(target, torch.Tensor) and target.dtype != torch.int64:
+        return f"its labels are {target.dtype}, not torch.int64"
+    weight = getattr(logits.head, "weight", None)
+    if vocab_size is not None and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
+            and type(weight).__name__ != "DTensor" and int(vocab_size) != weight.shape[0]:
+        return f"vocab_size {vocab_size} is not its lm_head's {weight.shape[0]} rows"
+    if isinstance(weight, torch.Tensor) and weight.dtype != logits.hidden.dtype \
+            and not torch.is_autocast_enabled(logits.hidden.device.type):
+        return (f"its hidden states ({logits.hidden.dtype}) and lm_head weight ({weight.dtype}) "
+                f"differ in dtype")
+    n = num_items_in_batch
+    if n is not None and (isinstance(n, bool) or (
+            isinstance(n, torch.Tensor) and (n.dtype == torch.bool or n.is_complex()))
+            or not isinstance(n, (numbers.Real, torch.Tensor))):
+        return f"its num_items_in_batch is {type(n).__name__} {n!r:.40}"
+    if _functorch_active():
+        return "a functorch transform (torch.func.grad / vmap) is active"
+    return None
+
+
 def _loss(model, *args, **kwargs):
     logits = args[0] if args else kwargs.get("logits")
-    if isinstance(logits, DeferredLogits):
-        return fused_head_loss(*args, **kwargs)
-    return model.loss_function(*args, **kwargs)  # materialised: the stock call itself
+    if not isinstance(logits, DeferredLogits):
+        return model.loss_function(*args, **kwargs)  # materialised: the stock call itself
+    if logits.real is None:
+        names = ("logits", "labels", "vocab_size", "num_items_in_batch")
+        bound = dict(zip(names, args), **kwargs)
+        reason = _loss_refusal(logits, bound.get("labels"), bound.get("shift_labels"),
+                               bound.get("vocab_size"), bound.get("num_items_in_batch"))
+        if reason is None:
+            return fused_head_loss(*args, **kwargs)
+        materialize(logits, reason)
+    if args:
+        args = (logits.real, *args[1:])
+    else:
+        kwargs = {**kwargs, "logits": logits.real}
+    return model.loss_function(*args, **kwargs)
 
 
 def fused_head_loss(

@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import raise_if_double_backward
+from ..errors import LabelOutOfRangeError, raise_if_double_backward
 
 #: Bytes of float32 logits one chunk may hold in :func:`chunked_causal_lm_loss`.
 CHUNK_BYTES = 64 * 2**20
@@ -64,6 +65,9 @@ class _LogitsCrossEntropy(torch.autograd.Function):
             r1 = min(r0 + chunk_rows, n)
             z = logits[r0:r1].to(acc)
             lse_c = torch.logsumexp(z, dim=-1)
+            # F.cross_entropy's log_softmax turns a row holding +inf into NaN (inf - inf);
+            # logsumexp alone would give inf
+            lse_c = torch.where(lse_c == float("inf"), float("nan"), lse_c)
             lse[r0:r1] = lse_c
             zy = z.gather(1, labels[r0:r1].clamp(min=0).unsqueeze(1)).squeeze(1)
             total += torch.where(valid[r0:r1], lse_c - zy, 0.0).sum()
@@ -140,7 +144,7 @@ def chunked_causal_lm_loss(
     """
     target = labels if shift_labels is None else shift_labels
     if not _chunkable(logits, target, vocab_size, ignore_index):
-        return original_causal_lm_loss()(
+        return _stock_loss()(
             logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
             ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,
         )
@@ -150,7 +154,7 @@ def chunked_causal_lm_loss(
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
         target = shift_labels.view(-1).to(flat.device)
     except RuntimeError:
-        return original_causal_lm_loss()(
+        return _stock_loss()(
             logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
             ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,
         )
@@ -167,7 +171,7 @@ def chunked_causal_lm_loss(
             [*torch.aminmax(torch.where(counted, target, 0)), count]).tolist()
         if n_valid and (lo < 0 or hi >= vocab_size):
             bad = lo if lo < 0 else hi
-            raise IndexError(
+            raise LabelOutOfRangeError(
                 f"label {bad} is outside [0, V) with V = {vocab_size} and is not "
                 f"ignore_index = {ignore_index}"
             )
@@ -218,6 +222,41 @@ def proven_causal_lm_loss():
     return _PROVEN[0]
 
 
+def _stock_loss():
+    """transformers' causal-LM loss itself, for inputs the chunked path leaves to it (never the
+    name :func:`apply_fused_ce_to_loss_mapping` re-registered, which would call us back)."""
+    return proven_causal_lm_loss()
+
+
+def _defined_in(fn, module_name: str, qualname: str) -> bool:
+    """``fn`` is the function ``module_name.qualname`` as that module's source defines it (not
+    a replacement, not a ``functools.wraps`` wrapper defined elsewhere)."""
+    module = sys.modules.get(module_name)
+    code = getattr(fn, "__code__", None)
+    return (module is not None and code is not None
+            and getattr(fn, "__qualname__", None) == qualname
+            and code.co_filename == getattr(module, "__file__", None))
+
+
+def stock_cross_entropy_refusal() -> str | None:
+    """Why transformers' causal-LM loss would not compute what the fused loss does now (a
+    replaced ``ForCausalLMLoss``, ``fixed_cross_entropy`` or ``F.cross_entropy`` — Liger's
+    ``cross_entropy=True`` replaces the last), or None."""
+    import torch.nn.functional as F
+
+    loss_utils = _loss_utils()
+    proven = proven_causal_lm_loss()
+    if not _defined_in(proven, loss_utils.__name__, "ForCausalLMLoss"):
+        return f"transformers' ForCausalLMLoss was replaced by {_describe(proven)}"
+    if not _defined_in(loss_utils.fixed_cross_entropy, loss_utils.__name__,
+                       "fixed_cross_entropy"):
+        return (f"transformers' fixed_cross_entropy was replaced by "
+                f"{_describe(loss_utils.fixed_cross_entropy)}")
+    if not _defined_in(F.cross_entropy, F.__name__, "cross_entropy"):
+        return f"torch.nn.functional.cross_entropy was replaced by {_describe(F.cross_entropy)}"
+    return None
+
+
 def mapping_loss(loss_type):
     """What ``PreTrainedModel.loss_function`` returns for a model without a loss of its own:
     ``LOSS_MAPPING[loss_type]``, or the ``"ForCausalLM"`` entry for an unknown type
@@ -241,27 +280,38 @@ class InstanceLoss:
     of its own (the unpickled model is unpatched, see ``_InstanceState.__reduce__``).
     """
 
-    __slots__ = ("previous", "loss_type")
+    __slots__ = ("previous", "loss_type", "owner")
 
-    def __init__(self, previous, loss_type=None):
+    def __init__(self, previous, loss_type=None, owner=None):
         self.previous = previous  # the instance's own loss before the patch, or None (class's)
-        self.loss_type = loss_type
+        self.loss_type = loss_type  # at install; the owner's own, read live, wins
+        self.owner = weakref.ref(owner) if owner is not None else None
 
     def stock_loss(self):
-        """The loss function the model would call without the patch, now."""
-        return self.previous if self.previous is not None else mapping_loss(self.loss_type)
+        """The loss function the model would call without the patch, now (its ``loss_type``
+        read at this call)."""
+        if self.previous is not None:
+            return self.previous
+        owner = self.owner() if self.owner is not None else None
+        return mapping_loss(getattr(owner, "loss_type", self.loss_type))
 
     def __call__(self, *args, **kwargs):
         stock = self.stock_loss()
-        if is_causal_lm_loss(stock):
+        if is_causal_lm_loss(stock) and stock_cross_entropy_refusal() is None:
             return chunked_causal_lm_loss(*args, **kwargs)
+        if stock is ForCausalLMLoss or stock is chunked_causal_lm_loss:
+            stock = _stock_loss()  # what they stand for, as transformers computes it now
         return stock(*args, **kwargs)
 
     def __copy__(self):
         return self
 
     def __deepcopy__(self, memo):
-        return self
+        # The copy's loss_type is the copied model's: the model is in memo before its __dict__
+        # is copied (copy._reconstruct).
+        owner = self.owner() if self.owner is not None else None
+        clone = memo.get(id(owner)) if owner is not None else None
+        return InstanceLoss(self.previous, self.loss_type, clone)
 
     def __reduce__(self):
         if self.previous is None:
@@ -298,7 +348,7 @@ def fused_loss_refusal(model) -> str | None:
     """
     fn = model.loss_function
     if is_causal_lm_loss(fn):
-        return None
+        return stock_cross_entropy_refusal()
     stock = fn.stock_loss() if isinstance(fn, InstanceLoss) else fn
     return (f"its loss function in force is {_describe(stock)}, not transformers' "
             f"ForCausalLMLoss that the fused loss computes")
@@ -315,7 +365,7 @@ def install_instance_loss(model):
     current = model.__dict__.get("_loss_function")
     if isinstance(current, InstanceLoss):
         return current
-    installed = InstanceLoss(current, getattr(model, "loss_type", None))
+    installed = InstanceLoss(current, getattr(model, "loss_type", None), model)
     model.__dict__["_loss_function"] = installed
     return installed
 

@@ -86,7 +86,8 @@ class _InstanceState:
         state = _InstanceState(
             copy.deepcopy(self.options, memo), self.slot,
             copy.deepcopy(self.previous, memo), copy.deepcopy(self.installed, memo),
-            self.loss, clone if isinstance(clone, nn.Module) else _NO_OWNER, self.stock,
+            copy.deepcopy(self.loss, memo), clone if isinstance(clone, nn.Module) else _NO_OWNER,
+            self.stock,
         )
         if isinstance(clone, nn.Module):
             _PATCHED_INSTANCES.add(clone)

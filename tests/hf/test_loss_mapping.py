@@ -118,7 +118,9 @@ def test_deepcopy_is_tracked_and_reverted():
     apply_fused_ce(model)
     clone = copy.deepcopy(model)
     assert is_fused_ce_applied(clone) and clone in _PATCHED_INSTANCES
-    assert clone.__dict__["_loss_function"] is model.__dict__["_loss_function"]
+    # the copy's own logits loss (it reads the copy's loss_type), reverted with it
+    assert isinstance(clone.__dict__["_loss_function"], type(model.__dict__["_loss_function"]))
+    assert clone.__dict__["_loss_function"] is not model.__dict__["_loss_function"]
     revert_fused_ce()
     for m in (model, clone):
         assert not is_fused_ce_applied(m)
