@@ -422,3 +422,68 @@ def test_patched_logits_loss_inf_logit_is_nan_as_stock(mode):
         got = model(**batch()).loss
     assert math.isnan(want.item())
     assert math.isnan(got.item()), f"stock NaN, patched {got.item()}"
+
+
+@_xfail("TYPE: config.vocab_size smaller than the lm_head rows: stock RuntimeError (view), fused "
+        "path ValueError")
+def test_vocab_size_mismatch_raises_stock_exception_type():
+    ref, model = _pair()
+    apply_fused_ce(model)
+    for m in (ref, model):
+        m.config.vocab_size = 1000
+    kw = dict(batch(), labels=batch()["labels"].clamp(max=999))
+    want = _stock_error(lambda: ref(**kw))
+    got = _stock_error(lambda: model(**kw))
+    assert want is not None and type(got) is type(want), f"stock {want!r}, patched {got!r}"
+
+
+# --------------------------------------------------------------------------------------------
+# TRL's head kernel, routed while a patched instance exists (hf/trl.py): "stock" is TRL's own
+# _ChunkedLogProbFunction on the same arguments
+# --------------------------------------------------------------------------------------------
+
+def _trl_kernels():
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    original = trl_utils._ChunkedLogProbFunction
+    model = build_model("llama")
+    apply_fused_ce(model)
+    router = trl_utils._ChunkedLogProbFunction
+    assert router is not original
+    return original, router, model.lm_head.weight
+
+
+@_xfail("LOUD: TRL's own head kernel computes with softcap 0 / negative, logit_scale 0 or a "
+        "negative temperature; the router raises ValueError while a patched model exists")
+@pytest.mark.parametrize("args", [dict(softcap=0.0), dict(softcap=-3.0), dict(scale=0.0),
+                                  dict(temperature=-1.0)], ids=str)
+def test_trl_router_takes_what_trl_takes(args):
+    original, router, weight = _trl_kernels()
+    hidden = torch.randn(37, 32, generator=torch.Generator().manual_seed(3)) * 3
+    target = torch.randint(0, 1003, (37,), generator=torch.Generator().manual_seed(4))
+    call = (args.get("temperature", 1.0), 256, args.get("softcap"), args.get("scale", 1.0), ())
+    want = original.apply(hidden, weight, None, target, *call)[0]
+    got = router.apply(hidden, weight, None, target, *call)[0]
+    assert_close_rel(got, want, LOSS_RTOL, "log-probs")
+
+
+@_xfail("PRECISION: under bfloat16 autocast (CPU) the router's hidden and weight gradients are "
+        "about 30% further from float64 than TRL's own kernel's (2.6e-3 vs 2.0e-3, 5 seeds)")
+def test_trl_router_bf16_no_less_accurate_than_trl():
+    original, router, weight = _trl_kernels()
+    worse = []
+    for seed in range(3):
+        hidden = torch.randn(64, 32, generator=torch.Generator().manual_seed(seed)) * 3
+        target = torch.randint(0, 1003, (64,), generator=torch.Generator().manual_seed(seed + 100))
+        h64 = hidden.double().requires_grad_(True)
+        w64 = weight.detach().double().requires_grad_(True)
+        torch.log_softmax(h64 @ w64.T, -1).gather(1, target[:, None]).sum().backward()
+        errs = []
+        for fn in (original, router):
+            h = hidden.clone().requires_grad_(True)
+            weight.grad = None
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = fn.apply(h, weight, None, target, 1.0, 256, None, 1.0, ())
+            out[0].sum().backward()
+            errs.append(max(rel_err(h.grad, h64.grad), rel_err(weight.grad, w64.grad)))
+        worse.append(errs[1] > 1.1 * errs[0])
+    assert not any(worse)
