@@ -107,8 +107,13 @@ def _smoothed_fixed_ce(source, target, num_items_in_batch=None, ignore_index=-10
 
 
 @_xfail("SILENT: loss_utils.fixed_cross_entropy (what ForCausalLMLoss calls) replaced after the "
-        "patch is seen by stock, not by the fused path (stock 6.88926 vs 6.88616)")
-def test_fixed_cross_entropy_replaced_after_the_patch(monkeypatch):
+        "patch, or before it once the class's proof is memoised, is seen by stock, not by the "
+        "fused path (stock 6.88926 vs 6.88616)")
+@pytest.mark.parametrize("when", ["after_patch", "before_patch_proof_memoised"])
+def test_fixed_cross_entropy_replaced(when, monkeypatch):
+    if when == "before_patch_proof_memoised":
+        apply_fused_ce(build_model("llama", seed=3))  # the class's proof passes and is memoised
+        monkeypatch.setattr(loss_utils, "fixed_cross_entropy", _smoothed_fixed_ce)
     ref, model = _pair()
     apply_fused_ce(model)
     monkeypatch.setattr(loss_utils, "fixed_cross_entropy", _smoothed_fixed_ce)
