@@ -492,3 +492,46 @@ def test_trl_router_bf16_no_less_accurate_than_trl():
             errs.append(max(rel_err(h.grad, h64.grad), rel_err(weight.grad, w64.grad)))
         worse.append(errs[1] > 1.1 * errs[0])
     assert not any(worse)
+
+
+_CLASS_PATCH_FIRST = """
+import torch, transformers
+from transformers.loss import loss_utils
+from fused_ce_patch import apply_fused_ce_to_class, revert_fused_ce
+from hf_helpers import batch, build_model
+model = build_model("llama")
+original = loss_utils.LOSS_MAPPING["ForCausalLM"]
+tripled = lambda *a, **k: original(*a, **k) * 3
+loss_utils.LOSS_MAPPING["ForCausalLM"] = tripled
+want = model(**batch()).loss.item()          # the live stock model with the user's loss
+loss_utils.LOSS_MAPPING["ForCausalLM"] = original
+apply_fused_ce_to_class(transformers.LlamaForCausalLM)   # fused_ce_patch's first use here
+loss_utils.LOSS_MAPPING["ForCausalLM"] = tripled         # a library installs its loss later
+got = model(**batch()).loss.item()
+print(want, got)
+"""
+
+
+@_xfail("SILENT: in a process whose first fused_ce_patch call is a class patch "
+        "(apply_fused_ce_to_<arch>) served from the disk proof cache (a user's second run), a "
+        "LOSS_MAPPING['ForCausalLM'] entry installed afterwards is taken as the proven loss at the "
+        "first training call: stock 20.66, patched 6.886 (a fresh proof, or an instance patch "
+        "first, fixes the proven loss and takes the stock path correctly)")
+@pytest.mark.slow
+def test_loss_mapping_replaced_after_a_first_class_patch(tmp_path):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).resolve().parent
+    env = dict(os.environ, FUSED_CE_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(here.parents[1]), str(here)]))
+    results = []
+    for _ in range(2):  # the second process finds the class's proof in the disk cache
+        run = subprocess.run([sys.executable, "-c", _CLASS_PATCH_FIRST], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        results.append(tuple(map(float, run.stdout.split()[-2:])))
+    for want, got in results:
+        assert abs(got - want) <= LOSS_RTOL * abs(want), f"stock {want}, patched {got}: {results}"
