@@ -52,7 +52,7 @@ import torch
 from .architectures import DEFER, DONE, LOSS, TRANSFORM, ArchSpec
 from .head import fused_head_loss as _head_loss
 from .head import head_operands
-from .loss_mapping import fused_loss_refusal
+from .loss_mapping import functorch_active, fused_loss_refusal
 from .registry import PATCHED as _PATCHED
 from .registry import STOCK as _STOCK
 from .registry import stock_forward_of, wraps_patched
@@ -328,12 +328,6 @@ def _done(logits):
     return logits
 
 
-def _functorch_active() -> bool:
-    probe = getattr(torch._C._functorch, "_are_functorch_transforms_active", None) \
-        if hasattr(torch._C, "_functorch") else None
-    return bool(probe()) if probe is not None else False
-
-
 def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
                   num_items_in_batch) -> str | None:
     """Why this call's loss should be the stock computation (real logits), or None.
@@ -368,7 +362,7 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
             isinstance(n, torch.Tensor) and (n.dtype == torch.bool or n.is_complex()))
             or not isinstance(n, (numbers.Real, torch.Tensor))):
         return f"its num_items_in_batch is {type(n).__name__} {n!r:.40}"
-    if _functorch_active():
+    if functorch_active():
         return "a functorch transform (torch.func.grad / vmap) is active"
     return None
 

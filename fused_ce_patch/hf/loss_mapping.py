@@ -143,7 +143,7 @@ def chunked_causal_lm_loss(
         ValueError: labels and logits hold different numbers of positions (as stock).
     """
     target = labels if shift_labels is None else shift_labels
-    if not _chunkable(logits, target, vocab_size, ignore_index):
+    if not _chunkable(logits, target, vocab_size, ignore_index) or functorch_active():
         return _stock_loss()(
             logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
             ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,
@@ -213,19 +213,38 @@ _PROVEN: list = []
 
 
 def proven_causal_lm_loss():
-    """The ``ForCausalLMLoss`` object the fused loss stands for: the one in force when
-    fused_ce_patch first looked (before any proof ran). If it is later replaced, in
-    ``loss_utils`` or in ``LOSS_MAPPING``, the replacement is what a stock model calls, and
-    patched models step aside to it (:func:`fused_loss_refusal`)."""
+    """The ``ForCausalLMLoss`` the fused loss stands for: transformers' own function, as its
+    ``loss/loss_utils.py`` defines it (found in ``LOSS_MAPPING`` or under its name; whatever
+    has replaced it there is not it). Any other function in force is what a stock model calls,
+    and patched models step aside to it (:func:`fused_loss_refusal`). Before transformers' own
+    function can be found (every name replaced), an object nothing is identical to."""
     if not _PROVEN:
-        _PROVEN.append(_loss_utils().LOSS_MAPPING.get("ForCausalLM", original_causal_lm_loss()))
+        loss_utils = _loss_utils()
+        candidates = (loss_utils.LOSS_MAPPING.get("ForCausalLM"), loss_utils.ForCausalLMLoss,
+                      *loss_utils.LOSS_MAPPING.values())
+        found = next((fn for fn in candidates
+                      if _defined_in(fn, loss_utils.__name__, "ForCausalLMLoss")), None)
+        if found is None:
+            return _NOT_FOUND
+        _PROVEN.append(found)
     return _PROVEN[0]
+
+
+_NOT_FOUND = object()
 
 
 def _stock_loss():
     """transformers' causal-LM loss itself, for inputs the chunked path leaves to it (never the
     name :func:`apply_fused_ce_to_loss_mapping` re-registered, which would call us back)."""
     return proven_causal_lm_loss()
+
+
+def functorch_active() -> bool:
+    """Whether a functorch transform (``torch.func.grad``, ``vmap``, ...) is running: the
+    package's ``autograd.Function``s do not support them, so the stock computation runs."""
+    functorch = getattr(torch._C, "_functorch", None)
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
 
 
 def _defined_in(fn, module_name: str, qualname: str) -> bool:
@@ -245,9 +264,8 @@ def stock_cross_entropy_refusal() -> str | None:
     import torch.nn.functional as F
 
     loss_utils = _loss_utils()
-    proven = proven_causal_lm_loss()
-    if not _defined_in(proven, loss_utils.__name__, "ForCausalLMLoss"):
-        return f"transformers' ForCausalLMLoss was replaced by {_describe(proven)}"
+    if proven_causal_lm_loss() is _NOT_FOUND:
+        return "transformers' ForCausalLMLoss was replaced"
     if not _defined_in(loss_utils.fixed_cross_entropy, loss_utils.__name__,
                        "fixed_cross_entropy"):
         return (f"transformers' fixed_cross_entropy was replaced by "
@@ -297,7 +315,8 @@ class InstanceLoss:
 
     def __call__(self, *args, **kwargs):
         stock = self.stock_loss()
-        if is_causal_lm_loss(stock) and stock_cross_entropy_refusal() is None:
+        if is_causal_lm_loss(stock) and stock_cross_entropy_refusal() is None \
+                and not functorch_active():
             return chunked_causal_lm_loss(*args, **kwargs)
         if stock is ForCausalLMLoss or stock is chunked_causal_lm_loss:
             stock = _stock_loss()  # what they stand for, as transformers computes it now

@@ -33,6 +33,7 @@ Source: trl 1.16.0 ``trainer/utils.py`` and ``kernels/chunked_logprob.py``; trl 
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import weakref
 
@@ -98,6 +99,21 @@ def _match_dtypes(hidden, weight, bias):
     return weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
 
 
+def _unusual(softcap, logit_scale, temperature=1.0) -> str | None:
+    """Transform operands fused_linear_token_stats refuses but TRL's own kernel computes with
+    (a softcap <= 0, a zero or non-finite scale, a temperature <= 0): TRL's kernel takes them."""
+    try:
+        values = [float(logit_scale), float(temperature)]
+        cap = None if softcap is None else float(softcap)
+    except (TypeError, ValueError):
+        return "a transform operand that is not a number"
+    if cap is not None and not (math.isfinite(cap) and cap > 0):
+        return f"softcap {cap}"
+    if not all(math.isfinite(v) for v in values) or values[0] == 0 or values[1] <= 0:
+        return f"logit_scale {values[0]}, temperature {values[1]}"
+    return None
+
+
 class _RoutedChunkedLogProb:
     """Stands in for ``trl.trainer.utils._ChunkedLogProbFunction`` (only ``.apply`` is used)."""
 
@@ -113,6 +129,11 @@ class _RoutedChunkedLogProb:
         if outputs is None:  # TRL's default asks for every field
             outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
         if options is None:
+            return self.original.apply(*args, outputs)
+        unusual = _unusual(final_logit_softcapping, logit_scale, temperature)
+        if unusual is not None:
+            _once(("operands", unusual), "fused_ce_patch: TRL's fused head called with %s; "
+                  "TRL's own kernel runs those calls", unusual)
             return self.original.apply(*args, outputs)
         missing = set(outputs) - SUPPORTED_FIELDS
         if missing:
@@ -146,6 +167,8 @@ def _make_routed_chunked_ce(original):
                lm_head_bias=None):
         found = _patched_owner(lm_head_weight)
         options = None if found is None else found[1]
+        if options is not None and _unusual(final_logit_softcapping, logit_scale) is not None:
+            options = None  # TRL's own function computes with these operands
         if options is None:
             return original(hidden_states, lm_head_weight, chunk_size, labels=labels,
                             shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
