@@ -88,12 +88,14 @@ def test_default_text_without_the_licence_folder_is_python_documentation(monkeyp
     assert sum(map(len, texts)) > 50_000  # enough for the demo's 2 x 2048 tokens
     assert texts == data.read_texts()  # a fixed order: both demo runs see the same rows
     assert "argparse" in texts[0]
+    assert "standard-library docstrings" in data.default_source()  # what the demo's header says
 
 
 def test_default_text_is_the_licence_folder_where_it_exists(monkeypatch, tmp_path):
     (tmp_path / "MIT").write_text("Permission is hereby granted.")
     monkeypatch.setattr(data, "DEFAULT_TEXT_DIR", tmp_path)
     assert data.read_texts() == ["Permission is hereby granted."]
+    assert data.default_source() == str(tmp_path)
 
 
 def test_accelerate_lower_bound_is_what_trainer_needs():

@@ -201,7 +201,7 @@ def run_demo(options: DemoOptions) -> int:
     model_dir, title = models.resolve_model(options.model)
     config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    source = options.data or str(data.DEFAULT_TEXT_DIR)
+    source = options.data or data.default_source()
     n_rows = options.steps * options.batch_size
     repeat_note = []
     blocks = data.pack_blocks(

@@ -11,6 +11,7 @@ or ``.jsonl`` (one JSON object per line with a ``"text"`` field).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -72,6 +73,14 @@ def read_texts(path: str | Path | None = None) -> list[str]:
     if not texts:
         raise DataError(f"--data {str(path)!r} holds no text")
     return texts
+
+
+def default_source() -> str:
+    """Where :func:`read_texts` takes its default text from on this machine, for headers."""
+    if DEFAULT_TEXT_DIR.is_dir():
+        return str(DEFAULT_TEXT_DIR)
+    return f"Python {sys.version_info.major}.{sys.version_info.minor} standard-library " \
+           f"docstrings ({', '.join(FALLBACK_MODULES)})"
 
 
 def standard_library_texts() -> list[str]:
