@@ -75,8 +75,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                       "they can run there (default: %(default)s)")
     demo.add_argument("--data", default=defaults.data,
                       help="training text: a .txt file, a .jsonl file with a \"text\" field per "
-                      "line, or a directory of text files (default: /usr/share/common-licenses, or where "
-                      "that is absent the docstrings of a few Python standard-library modules)")
+                      "line, or a directory of text files (default: /usr/share/common-licenses, "
+                      "or where that is absent the docstrings of a few Python standard-library "
+                      "modules)")
     demo.add_argument("--lr", dest="learning_rate", type=float, default=defaults.learning_rate,
                       help="AdamW learning rate, constant (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=defaults.seed,
