@@ -2,7 +2,8 @@
 # TRL matrix (CPU): the TRL integration tests under one release of each TRL generation, in a
 # venv of its own (.venv-trl); TRL is pure Python, so one torch install serves every release.
 #   trl 1.16: fused LM head (add_fused_lm_head) in SFT/DPO/KTO/GRPO/RLOO; also runs
-#             examples/trl_sft.py and README's snippets (the TRL one needs trl)
+#             examples/trl_sft.py and the snippets of README.md and docs/*.md (the TRL
+#             ones need trl; README's test command skips them)
 #   trl 1.10: loss_type="chunked_nll" default
 #   trl 1.6:  loss_type="nll" default (installs with transformers 5.x)
 # Called by .ci/run after README's test command. About 3-5 minutes on 2 cores.
@@ -20,6 +21,6 @@ for version in 1.16.0 1.10.0 1.6.0; do
     python -m pytest -q tests/hf/test_trl.py tests/hf/test_trainer_flag.py
     if [ "$version" = 1.16.0 ]; then
         python -m pytest -q tests/test_examples.py -k trl_sft
-        python -m pytest -q -m slow tests/test_readme.py  # README's TRL snippet runs here
+        python -m pytest -q -m slow tests/test_readme.py  # docs/trl.md's TRL snippet runs here
     fi
 done

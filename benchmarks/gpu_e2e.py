@@ -10,7 +10,7 @@ Gemma-3-270M, under each variant:
                     other Liger kernel off)
     fused+liger     Liger's non-loss kernels (RMSNorm, RoPE, SwiGLU / GeGLU for Gemma) with
                     ``fused_linear_cross_entropy=False``, then ``apply_fused_ce(model)`` (the
-                    README recipe "With Liger-Kernel's other kernels")
+                    recipe in docs/usage.md, "With Liger-Kernel's other kernels")
     liger_all       every Liger kernel, its fused linear cross-entropy included
 
 Each (model, variant) runs in its own Python process (this script re-run with ``--child``):

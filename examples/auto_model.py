@@ -1,6 +1,6 @@
 """Load an already patched model with ``AutoFusedCEForCausalLM``; train a step, then generate.
 
-    python examples/auto_model.py [--seq-len 64]
+    python examples/auto_model.py [--seq-len 64] [--data FILE]
 
 ``AutoFusedCEForCausalLM.from_pretrained`` takes exactly ``AutoModelForCausalLM``'s arguments
 and returns the same transformers class, patched. The fused path is taken only for a training
@@ -16,14 +16,20 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fused_ce_patch import AutoFusedCEForCausalLM, LogitsNotMaterializedError
 from fused_ce_patch.numerics import relative_error
-from fused_ce_patch.demo.data import pack_blocks, read_texts
+from fused_ce_patch.demo.data import DataError, pack_blocks, read_texts
 from fused_ce_patch.demo import local_model_path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--data", help="training text: a .txt or .jsonl file or a directory of "
+                        "text files (default: the demo's text)")
     args = parser.parse_args()
+    try:
+        texts = read_texts(args.data)
+    except DataError as exc:
+        parser.error(str(exc))  # one line, exit status 2
 
     model_dir = local_model_path("smollm2")  # real weights, offline
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -31,7 +37,7 @@ def main() -> None:
     stock = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     print(f"{type(model).__name__} loaded, patched")
 
-    batch = pack_blocks(tokenizer, read_texts(), args.seq_len, 2)
+    batch = pack_blocks(tokenizer, texts, args.seq_len, 2)
 
     # One training step's loss and lm_head gradient, fused vs stock.
     model.train()

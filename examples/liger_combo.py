@@ -1,6 +1,6 @@
 """Liger-Kernel's non-loss kernels (RMSNorm, RoPE, SwiGLU) with fused_ce_patch's loss.
 
-    python examples/liger_combo.py [--steps 2] [--seq-len 64]
+    python examples/liger_combo.py [--steps 2] [--seq-len 64] [--data FILE]
 
 Needs ``pip install liger-kernel`` (0.8.x). Liger's kernels are Triton: on a CUDA GPU all
 three run; on a CPU this script runs them under the Triton interpreter (``TRITON_INTERPRET=1``,
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 
 import torch
 
@@ -27,12 +28,17 @@ if not CUDA:
     # Must precede importing Liger: @triton.jit reads it when a kernel module is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: E402
+try:
+    from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: E402
+except ImportError as exc:  # optional (with the triton it requires): one line, exit status 2
+    print(f"examples/liger_combo.py needs liger-kernel: pip install 'liger-kernel>=0.8.5,<0.9' "
+          f"({exc})", file=sys.stderr)
+    sys.exit(2)
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from fused_ce_patch import UnsupportedModelError, apply_fused_ce  # noqa: E402
 from fused_ce_patch.demo import local_model_path  # noqa: E402
-from fused_ce_patch.demo.data import pack_blocks, read_texts  # noqa: E402
+from fused_ce_patch.demo.data import DataError, pack_blocks, read_texts  # noqa: E402
 from fused_ce_patch.hf import loss_mapping  # noqa: E402
 
 
@@ -40,7 +46,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--data", help="training text: a .txt or .jsonl file or a directory of "
+                        "text files (default: the demo's text)")
     args = parser.parse_args()
+    try:
+        texts = read_texts(args.data)
+    except DataError as exc:
+        parser.error(str(exc))  # one line, exit status 2
 
     device = "cuda" if CUDA else "cpu"
     model_dir = local_model_path("smollm2")  # real weights, offline (a Llama architecture)
@@ -59,7 +71,7 @@ def main() -> None:
     on = ", ".join(k for k, v in kernels.items() if v)
     print(f"Liger kernels on: {on}; loss: fused_ce_patch ({device})")
 
-    blocks = pack_blocks(tokenizer, read_texts(), args.seq_len, 2 * (args.steps + 1)).to(device)
+    blocks = pack_blocks(tokenizer, texts, args.seq_len, 2 * (args.steps + 1)).to(device)
     first, rest = blocks[:2], blocks[2:]
     ours = model(input_ids=first, labels=first).loss
     theirs = reference(input_ids=first, labels=first).loss

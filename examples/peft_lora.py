@@ -1,8 +1,9 @@
 """LoRA fine-tuning through PEFT with the fused loss: ``apply_fused_ce`` on the PEFT model.
 
-    python examples/peft_lora.py [--steps 3] [--seq-len 64] [--batch-size 2]
+    python examples/peft_lora.py [--steps 3] [--seq-len 64] [--batch-size 2] [--data FILE]
 
-Needs PEFT (``pip install 'fused_ce_patch[peft]'``; the ``[test]`` extra includes it).
+Needs PEFT (``pip install 'fused_ce_patch[peft]'``; the ``[demo]`` and ``[test]`` extras include
+it).
 
 ``apply_fused_ce`` looks through the ``PeftModel`` to the causal LM inside and patches that
 instance (before or after ``get_peft_model``, either order works). LoRA here adapts the
@@ -13,14 +14,16 @@ the module that owns it. Training uses an ordinary ``Trainer`` (no flag needed o
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 
 import torch
 
 try:
     from peft import LoraConfig, get_peft_model
-except ImportError:  # an optional dependency of fused_ce_patch
-    raise SystemExit("this example needs PEFT: pip install 'fused_ce_patch[peft]'") from None
+except ImportError:  # an optional dependency of fused_ce_patch: one line, exit status 2
+    print("examples/peft_lora.py needs PEFT: pip install 'fused_ce_patch[peft]'", file=sys.stderr)
+    sys.exit(2)
 
 from transformers import (
     AutoModelForCausalLM,
@@ -31,7 +34,7 @@ from transformers import (
 )
 
 from fused_ce_patch import apply_fused_ce
-from fused_ce_patch.demo.data import pack_blocks, read_texts
+from fused_ce_patch.demo.data import DataError, pack_blocks, read_texts
 from fused_ce_patch.demo import local_model_path
 
 
@@ -39,8 +42,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--data", help="training text: a .txt or .jsonl file or a directory of "
+                        "text files (default: the demo's text)")
     parser.add_argument("--batch-size", type=int, default=2)
     args = parser.parse_args()
+    try:
+        texts = read_texts(args.data)
+    except DataError as exc:
+        parser.error(str(exc))  # one line, exit status 2
 
     model_dir = local_model_path("smollm2")  # real weights, offline
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -52,7 +61,7 @@ def main() -> None:
     apply_fused_ce(model)  # patches the LlamaForCausalLM inside the PeftModel
     model.print_trainable_parameters()
 
-    blocks = pack_blocks(tokenizer, read_texts(), args.seq_len, args.steps * args.batch_size)
+    blocks = pack_blocks(tokenizer, texts, args.seq_len, args.steps * args.batch_size)
     dataset = [{"input_ids": row, "labels": row} for row in blocks]
     lora_b_before = {
         name: p.detach().clone() for name, p in model.named_parameters() if "lora_B" in name

@@ -1,6 +1,6 @@
 """Your own PyTorch loop calling ``fused_linear_cross_entropy`` directly: no Trainer, no patch.
 
-    python examples/plain_pytorch_loop.py [--steps 3] [--seq-len 64] [--batch-size 2]
+    python examples/plain_pytorch_loop.py [--steps 3] [--seq-len 64] [--batch-size 2] [--data FILE]
 
 Run the decoder (``model.model``) for the last hidden states and hand them, the lm_head weight
 and the labels to the loss; ``shift=True`` makes position t predict label t+1 as a causal LM
@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fused_ce_patch import fused_linear_cross_entropy
-from fused_ce_patch.demo.data import pack_blocks, read_texts
+from fused_ce_patch.demo.data import DataError, pack_blocks, read_texts
 from fused_ce_patch.demo import local_model_path
 
 
@@ -24,8 +24,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--data", help="training text: a .txt or .jsonl file or a directory of "
+                        "text files (default: the demo's text)")
     parser.add_argument("--batch-size", type=int, default=2)
     args = parser.parse_args()
+    try:
+        texts = read_texts(args.data)
+    except DataError as exc:
+        parser.error(str(exc))  # one line, exit status 2
 
     torch.manual_seed(0)
     model_dir = local_model_path("smollm2")  # real weights, offline
@@ -34,7 +40,7 @@ def main() -> None:
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    blocks = pack_blocks(tokenizer, read_texts(), args.seq_len, args.steps * args.batch_size)
+    blocks = pack_blocks(tokenizer, texts, args.seq_len, args.steps * args.batch_size)
     for step, input_ids in enumerate(blocks.split(args.batch_size), 1):
         hidden = model.model(input_ids=input_ids).last_hidden_state  # [B, T, H]
         loss = fused_linear_cross_entropy(

@@ -1,6 +1,6 @@
 """Fine-tune with transformers' Trainer and one flag: ``use_fused_ce=True``.
 
-    python examples/trainer_flag.py [--steps 3] [--seq-len 64] [--batch-size 2]
+    python examples/trainer_flag.py [--steps 3] [--seq-len 64] [--batch-size 2] [--data FILE]
 
 ``FusedCETrainingArguments`` is ``TrainingArguments`` plus ``use_fused_ce`` (and the loss's
 options). The flag alone is enough: the arguments add ``FusedCECallback``, which patches the
@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, default_data_collator
 
 from fused_ce_patch import FusedCETrainingArguments
-from fused_ce_patch.demo.data import pack_blocks, read_texts
+from fused_ce_patch.demo.data import DataError, pack_blocks, read_texts
 from fused_ce_patch.demo import local_model_path
 
 
@@ -30,15 +30,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--data", help="training text: a .txt or .jsonl file or a directory of "
+                        "text files (default: the demo's text)")
     parser.add_argument("--batch-size", type=int, default=2)
     args = parser.parse_args()
+    try:
+        texts = read_texts(args.data)
+    except DataError as exc:
+        parser.error(str(exc))  # one line, exit status 2
 
     model_dir = local_model_path("smollm2")  # real weights, offline
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
     # Real English text, packed into rows; labels = input ids (the model shifts them).
-    blocks = pack_blocks(tokenizer, read_texts(), args.seq_len, args.steps * args.batch_size)
+    blocks = pack_blocks(tokenizer, texts, args.seq_len, args.steps * args.batch_size)
     dataset = [{"input_ids": row, "labels": row} for row in blocks]
 
     with tempfile.TemporaryDirectory() as output_dir:

@@ -1,6 +1,6 @@
 """Fine-tune with TRL's SFTTrainer and one flag: ``use_fused_ce=True``.
 
-    python examples/trl_sft.py [--steps 2] [--seq-len 64] [--batch-size 2] [--compare]
+    python examples/trl_sft.py [--steps 2] [--seq-len 64] [--batch-size 2] [--compare] [--data FILE]
 
 ``fused_ce_config(trl.SFTConfig)`` is TRL's ``SFTConfig`` plus ``use_fused_ce`` (and the loss's
 options); with the flag on, the trainer patches the model at the end of its ``__init__`` and
@@ -21,12 +21,17 @@ import sys
 import tempfile
 
 import torch
-import trl
-from datasets import Dataset
+
+try:
+    import trl
+    from datasets import Dataset
+except ImportError as exc:  # optional: one line, exit status 2
+    print(f"examples/trl_sft.py needs TRL: pip install trl ({exc})", file=sys.stderr)
+    sys.exit(2)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fused_ce_patch import fused_ce_config
-from fused_ce_patch.demo.data import pack_blocks, read_texts
+from fused_ce_patch.demo.data import DataError, pack_blocks, read_texts
 from fused_ce_patch.demo.models import resolve_model
 from fused_ce_patch.hf import trl as trl_routing
 
@@ -71,15 +76,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--data", help="training text: a .txt or .jsonl file or a directory of "
+                        "text files (default: the demo's text)")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--compare", action="store_true",
                         help="also run stock TRL and check the logged numbers agree")
     args = parser.parse_args()
+    try:
+        texts = read_texts(args.data)
+    except DataError as exc:
+        parser.error(str(exc))  # one line, exit status 2
 
     model_dir, title = resolve_model("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    blocks = pack_blocks(tokenizer, read_texts(), args.seq_len, args.steps * args.batch_size)
+    blocks = pack_blocks(tokenizer, texts, args.seq_len, args.steps * args.batch_size)
     rows = [{"input_ids": row.tolist()} for row in blocks]
     stock_model = copy.deepcopy(model) if args.compare else None
 

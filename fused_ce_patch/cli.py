@@ -1,7 +1,7 @@
 """Command line: ``fused-ce-patch {demo,doctor,model-path}`` (also ``python -m fused_ce_patch``).
 
 ``demo`` fine-tunes a real model with the fused loss and then stock, and prints a side-by-side
-table of loss per step, peak memory and tokens/s. ``doctor`` reports versions, devices, the
+table of loss per step, peak memory and CPU time per step. ``doctor`` reports versions, devices, the
 backend ``"auto"`` picks, and a numeric check of every backend that can run here.
 ``model-path`` prints the local directory of a packaged model's real weights.
 """
@@ -48,11 +48,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="fine-tune a real model fused, then stock, and compare loss, memory and speed",
+        help="fine-tune a real model fused, then stock, and compare loss, memory and CPU time",
         description=(
             "Fine-tune a real model with transformers' Trainer twice from the same start, each "
             "run in its own process: first with apply_fused_ce, then stock. Prints the loss of "
-            "every step side by side, the peak resident memory of each run, and tokens/s."
+            "every step side by side, the peak resident memory and CPU time per step of each "
+            "run, and (not compared: it follows machine load) tokens/s."
         ),
     )
     demo.add_argument(
@@ -74,7 +75,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                       "they can run there (default: %(default)s)")
     demo.add_argument("--data", default=defaults.data,
                       help="training text: a .txt file, a .jsonl file with a \"text\" field per "
-                      "line, or a directory of text files (default: /usr/share/common-licenses)")
+                      "line, or a directory of text files (default: /usr/share/common-licenses, "
+                      "or where that is absent the docstrings of a few Python standard-library "
+                      "modules)")
     demo.add_argument("--lr", dest="learning_rate", type=float, default=defaults.learning_rate,
                       help="AdamW learning rate, constant (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=defaults.seed,

@@ -244,6 +244,10 @@ def test_table_has_every_step_and_the_memory_rows():
     assert "| peak RSS while training (MiB) | 2,048 | 3,072 | 0.67 |" in table
     assert "| growth over RSS at start of training (MiB) | 1,024 | 2,048 | 0.50 |" in table
     assert "| CPU time per step, median (s) | 2.0 | 2.5 | 0.80 |" in table
+    # wall-clock speed follows the machine's load, not the patch: shown without a ratio
+    assert "| tokens/s, median step (wall clock: follows machine load) | 100.0 | 90.0 " \
+           "| not compared |" in table
+    assert "1.11" not in table
     assert "none (sentinel) | real tensor" in table
     assert "512 tokens x 1000 x 4 B" in table
 

@@ -1,19 +1,25 @@
 """Real English text for the demo, packed into fixed-length blocks of token ids.
 
 By default the text is the licence collection every Debian/Ubuntu machine carries under
-``/usr/share/common-licenses`` (about 260 KB of English prose: GPL, Apache, MPL, ...). A user's
-file replaces it with ``--data``: ``.txt`` (one document) or ``.jsonl`` (one JSON object per
-line with a ``"text"`` field).
+``/usr/share/common-licenses`` (about 260 KB of English prose: GPL, Apache, MPL, ...). Where
+that folder does not exist (other systems), the default is the documentation of a fixed set of
+Python standard-library modules, which every Python installation carries. A user's file
+replaces either with ``--data`` (the demo and every example take it): ``.txt`` (one document)
+or ``.jsonl`` (one JSON object per line with a ``"text"`` field).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 
 DEFAULT_TEXT_DIR = Path("/usr/share/common-licenses")
+# The fallback corpus: English prose present wherever Python is (unless run with -OO).
+FALLBACK_MODULES = ("argparse", "collections", "functools", "itertools", "json", "pathlib",
+                    "re", "shutil", "subprocess", "textwrap", "difflib", "logging")
 
 
 class DataError(ValueError):
@@ -24,7 +30,8 @@ def read_texts(path: str | Path | None = None) -> list[str]:
     """Read the documents of ``path`` (a ``.txt``/``.jsonl`` file or a directory of text files).
 
     Args:
-        path: None for :data:`DEFAULT_TEXT_DIR`. A directory contributes each regular file in
+        path: None for :data:`DEFAULT_TEXT_DIR`, or :func:`standard_library_texts` where that
+            folder does not exist. A directory contributes each regular file in
             it (sorted by name, symbolic links to files already read skipped), each as one
             document.
 
@@ -35,6 +42,8 @@ def read_texts(path: str | Path | None = None) -> list[str]:
         DataError: the path does not exist, a ``.jsonl`` line without a string ``"text"``
             field, an unsupported file type, or no text at all.
     """
+    if path is None and not DEFAULT_TEXT_DIR.is_dir():
+        return standard_library_texts()
     path = Path(path) if path is not None else DEFAULT_TEXT_DIR
     if not path.exists():
         raise DataError(f"--data {str(path)!r} does not exist")
@@ -63,6 +72,45 @@ def read_texts(path: str | Path | None = None) -> list[str]:
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise DataError(f"--data {str(path)!r} holds no text")
+    return texts
+
+
+def default_source() -> str:
+    """Where :func:`read_texts` takes its default text from on this machine, for headers."""
+    if DEFAULT_TEXT_DIR.is_dir():
+        return str(DEFAULT_TEXT_DIR)
+    return f"Python {sys.version_info.major}.{sys.version_info.minor} standard-library " \
+           f"docstrings ({', '.join(FALLBACK_MODULES)})"
+
+
+def standard_library_texts() -> list[str]:
+    """The documentation of :data:`FALLBACK_MODULES`: one document per module.
+
+    Each document is the module's docstring followed by those of its public classes and
+    functions, in name order, so the text is the same for a given Python version.
+
+    Raises:
+        DataError: the docstrings were stripped (``python -OO``).
+    """
+    import importlib
+    import inspect
+
+    texts = []
+    for name in FALLBACK_MODULES:
+        module = importlib.import_module(name)
+        parts = [inspect.getdoc(module) or ""]
+        for attr in sorted(getattr(module, "__all__", None) or dir(module)):
+            obj = getattr(module, attr, None)
+            if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isfunction(obj)):
+                continue
+            parts.append(inspect.getdoc(obj) or "")
+        texts.append("\n\n".join(p for p in parts if p.strip()))
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise DataError(
+            f"{DEFAULT_TEXT_DIR} does not exist and Python's docstrings are stripped (-OO): "
+            "pass a text file with --data"
+        )
     return texts
 
 

@@ -191,10 +191,20 @@ def cached_model_dir(gguf: Path, *, quiet: bool = False) -> Path:
 
     Returns:
         A directory with ``config.json``, ``model.safetensors`` and the tokenizer files.
+
+    Raises:
+        ModelNotFoundError: the entry is not cached yet and the ``gguf`` package, which
+            dequantising needs, is not installed.
     """
     target = cache_root() / "models" / _entry_name(gguf)
     if _entry_complete(target):
         return target
+    if importlib.util.find_spec("gguf") is None:
+        # transformers' GGUF reader needs it; say so instead of its ImportError traceback.
+        raise ModelNotFoundError(
+            f"dequantising {gguf.name} needs the gguf package: pip install gguf "
+            "(or the [demo] extra: pip install 'fused_ce_patch[demo]')"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     if not quiet:
         print(f"[fused_ce_patch] dequantising {gguf.name} once into {target} ...", flush=True)
@@ -229,7 +239,8 @@ def resolve_model(spec: str, *, quiet: bool = False) -> tuple[Path, str]:
         ``(directory, title)``.
 
     Raises:
-        ModelNotFoundError: ``spec`` is none of the above.
+        ModelNotFoundError: ``spec`` is none of the above, or its weights need dequantising
+            and ``gguf`` is not installed.
     """
     if spec in KNOWN_MODELS:
         return cached_model_dir(_gguf_for(spec), quiet=quiet), KNOWN_MODELS[spec].title
@@ -267,7 +278,8 @@ def local_model_path(name: str = "smollm2", *, quiet: bool = False) -> Path:
         (float32 weights).
 
     Raises:
-        ModelNotFoundError: the model's package is not installed, or ``name`` is unknown.
+        ModelNotFoundError: the model's package is not installed, ``name`` is unknown, or
+            the weights need dequantising and ``gguf`` is not installed.
     """
     return resolve_model(name, quiet=quiet)[0]
 

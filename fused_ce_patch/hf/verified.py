@@ -3,7 +3,8 @@
 The record is documentation, read by nothing at patch time: every class is proven on the
 user's machine before it is patched (:mod:`.proof`). It holds one row per model type and
 transformers release that the sweep (:mod:`.sweep`) ran on — status, reason, derived transform —
-from which README's support table is generated and against which CI checks a fresh sweep.
+from which docs/support.md's table and README's summary are generated and against which CI
+checks a fresh sweep.
 
 ``FUSED_CE_ALLOW_UNVERIFIED=1`` patches a derivable class whose proof could not run (no tiny
 model could be built); a proven difference is refused regardless.

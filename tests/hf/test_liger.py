@@ -1,6 +1,6 @@
 """fused_ce_patch combined with Liger-Kernel's other kernels (CPU, Triton interpreter).
 
-The recipe (README "With Liger-Kernel's other kernels"): Liger's non-loss kernels with
+The recipe (docs/usage.md "With Liger-Kernel's other kernels"): Liger's non-loss kernels with
 ``fused_linear_cross_entropy=False``, then (or before) ``apply_fused_ce(model)``. Liger's loss
 kernel replaces the causal LM's forward, which is what fused_ce_patch patches, so with it on
 ``apply_fused_ce`` must refuse with a short error naming Liger and the fix — never compute the

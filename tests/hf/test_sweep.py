@@ -17,6 +17,7 @@ from fused_ce_patch.hf.architectures import derive_spec
 from fused_ce_patch.hf.sentinel import NotMaterializedLogits
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+SUPPORT_PAGE = Path(__file__).resolve().parents[2] / "docs" / "support.md"
 
 
 @pytest.mark.parametrize(
@@ -92,14 +93,41 @@ def test_proven_type_patched_and_class_patch(spy):
     assert isinstance(model(**b).logits, torch.Tensor) and spy.count == 1
 
 
-def test_readme_table_matches_the_record():
-    """README's table is exactly what the sweep generates from docs/support.json."""
-    text = README.read_text()
+def test_support_page_table_matches_the_record():
+    """docs/support.md's table is exactly what the sweep generates from docs/support.json."""
+    text = SUPPORT_PAGE.read_text()
     block = text.split(sweep.BEGIN, 1)[1].split(sweep.END, 1)[0].strip()
     assert block == sweep.support_table(verified.load()).strip(), (
-        "README support table is stale: run python -m fused_ce_patch.hf.sweep --types '' "
+        "docs/support.md's table is stale: run python -m fused_ce_patch.hf.sweep --types '' "
+        "--docs docs/support.md --readme README.md"
+    )
+
+
+def test_readme_summary_matches_the_record():
+    """README's front-page summary is generated too, from the same record."""
+    text = README.read_text()
+    block = text.split(sweep.SUMMARY_BEGIN, 1)[1].split(sweep.SUMMARY_END, 1)[0].strip()
+    assert block == sweep.support_summary(verified.load()).strip(), (
+        "README's support summary is stale: run python -m fused_ce_patch.hf.sweep --types '' "
         "--readme README.md"
     )
+    assert sweep.BEGIN not in text  # the full table lives in docs/support.md only
+
+
+def test_generators_rewrite_only_between_their_markers(tmp_path):
+    data = {"types": {"llama": {"5.24.0": {"status": "pass", "class": "LlamaForCausalLM"}}}}
+    page = tmp_path / "support.md"
+    page.write_text(f"intro\n{sweep.BEGIN}\nold\n{sweep.END}\noutro\n")
+    assert sweep.write_docs(page, data) and not sweep.write_docs(page, data)
+    text = page.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
+    assert "| llama | LlamaForCausalLM |" in text
+    readme = tmp_path / "README.md"
+    readme.write_text(f"a\n{sweep.SUMMARY_BEGIN}\n{sweep.SUMMARY_END}\nb\n")
+    assert sweep.write_readme(readme, data)
+    assert "5.24.0: 1 of 1" in readme.read_text()
+    with pytest.raises(ValueError, match="markers"):
+        sweep.write_docs(readme, data)
 
 
 def test_check_against_record():
