@@ -151,10 +151,10 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
 
 def _supported_list() -> str:
     # No fixed list: any class whose forward derives and passes the proof (hf/proof.py) is
-    # patched; README's table records which types passed on which transformers releases.
+    # patched; docs/support.md records which types passed on which transformers releases.
     named = ", ".join(repr(t) for t in ARCHITECTURES)
-    return (f"any whose forward derives and passes the parity proof, e.g. {named} (README's "
-            f"support table lists those proven on each transformers release)")
+    return (f"any whose forward derives and passes the parity proof, e.g. {named} "
+            f"(docs/support.md lists those proven on each transformers release)")
 
 
 def _spec_for(model: nn.Module) -> ArchSpec:
@@ -287,7 +287,7 @@ def apply_fused_ce(
 
     Args:
         model: a transformers causal LM whose class's forward derives and passes the proof on
-            this machine (:mod:`~fused_ce_patch.hf.proof`; README's support table lists the
+            this machine (:mod:`~fused_ce_patch.hf.proof`; docs/support.md lists the
             types proven on each transformers release),
             possibly wrapped.
         backend: backend of :func:`~fused_ce_patch.fused_linear_cross_entropy`.
@@ -548,7 +548,7 @@ def apply_fused_ce_to_class(
     """Patch a causal-LM class (every instance, existing and future) to use the fused loss.
 
     The generic form of ``apply_fused_ce_to_<type>()``: any class whose forward passes the proof
-    (README's support table), e.g. ``apply_fused_ce_to_class(Qwen3ForCausalLM)``. The forward
+    (docs/support.md), e.g. ``apply_fused_ce_to_class(Qwen3ForCausalLM)``. The forward
     is patched on the class that defines it, so subclasses sharing it are patched too.
     ``revert_fused_ce(cls)`` undoes it.
 

@@ -69,8 +69,7 @@ PROOF_FORMAT = 1
 #: Our modules whose code decides the fused number (hashed into the disk key).
 _OWN_SOURCES = ("hf/architectures.py", "hf/forward.py", "hf/head.py", "loss.py",
                 "hf/proof.py", "hf/sweep.py")
-SUPPORT_TABLE = ("README's support table lists the model types proven on each transformers "
-                 "release")
+SUPPORT_TABLE = ("docs/support.md lists the model types proven on each transformers release")
 
 _MEMO: dict = {}
 _PROVING: contextvars.ContextVar = contextvars.ContextVar("fused_ce_proving", default=False)

@@ -120,7 +120,7 @@ def test_a_small_divergence_is_refused_with_the_numbers(next_release, monkeypatc
     assert "float64 padded: loss" in msg and "vs stock" in msg
     assert re.search(r"relative error [2-3]\.\d\de-06, tolerance 1e-06", msg), msg
     assert "\n" not in msg and len(msg) < 600 and "sweep" not in msg, msg
-    assert "support table" in msg
+    assert "docs/support.md" in msg
     assert not any(proof.cache_dir().glob("*.json"))  # a failure is not cached
     monkeypatch.setenv(verified.ALLOW_ENV, "1")  # a proven difference is refused regardless
     with pytest.raises(UnsupportedModelError, match="vs stock"):
