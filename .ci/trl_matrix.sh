@@ -5,7 +5,8 @@
 #             examples/trl_sft.py and README's snippets (the TRL one needs trl)
 #   trl 1.15: the first fused LM head; its kernel launches Triton on CPU tensors and fails,
 #             so stock TRL cannot train on CPU while a patched model does (test_trl.py checks
-#             both; its stock references use a materialised-logits stand-in there)
+#             both; SFT's stock references use a materialised-logits stand-in there; DPO, KTO,
+#             GRPO, RLOO are skipped: their unpatched reference model needs TRL's kernel)
 #   trl 1.10: loss_type="chunked_nll" default
 #   trl 1.6:  loss_type="nll" default (installs with transformers 5.x)
 # Called by .ci/run after README's test command. About 3-5 minutes on 2 cores.
