@@ -19,9 +19,6 @@ weight; ``labels`` has 10 % ``-100``):
                    the first warm-up step: gradient in backward)
     ours-sft-tiles ours-sft on the torch-tile algorithm (backend "torch", compiled tile math):
                    the implementation before the Triton row kernel, for comparison
-    ours-*-prepolicy  ours-sft / ours-logp / ours-grpo with the loss's default budget
-                   (``backends.triton.default_budget``), the default before the tile policy
-                   capped it at TRL's own tile (fused_ce_patch.tile_policy): an A/B in one run
     ours-loss      fused_linear_cross_entropy (backend "auto"): the fused loss of a plain
                    Trainer run, for comparison
 The loss is ``-sum(log_probs) / n_counted`` (TRL's SFT loss), weighted per token for *-grpo.
@@ -64,7 +61,6 @@ SHAPES = {  # name: (N, H, V, softcap)
 TINY = {"tiny": (64, 32, 1003, None), "tiny-softcap": (48, 24, 517, 30.0)}
 IMPLS = ["trl-sft", "trl-logp", "trl-grpo", "ours-sft", "ours-logp", "ours-grpo",
          "ours-sft-tiles", "ours-loss"]
-PREPOLICY = ["ours-sft-prepolicy", "ours-logp-prepolicy", "ours-grpo-prepolicy"]
 TRL_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE (trl 1.16)
 MiB = 2**20
 
@@ -94,10 +90,10 @@ def main(argv=None):
         data = make_inputs(torch, n, h, v, dev)
         impls = args.impls.split(",")
         refs = {False: reference(torch, data, softcap)}
-        if any(_is_grpo(i) for i in impls):
+        if any(i.endswith("-grpo") for i in impls):
             refs[True] = reference_weighted(torch, data, softcap)
         for impl in impls:
-            ref = refs[_is_grpo(impl)]
+            ref = refs[impl.endswith("-grpo")]
             t0 = time.time()
             try:
                 row = measure(torch, build(torch, impl, softcap), data, ref, args, dev)
@@ -115,10 +111,6 @@ def main(argv=None):
     print_table(rows)
     return rows
 
-
-
-def _is_grpo(impl):
-    return impl.removesuffix("-prepolicy").endswith("-grpo")
 
 
 def _weights(torch, labels, grpo):
@@ -147,7 +139,7 @@ def reference_weighted(torch, data, softcap):
 
 def build(torch, impl, softcap):
     sft = ("log_probs", "entropy", "is_top1")
-    grpo = _is_grpo(impl)
+    grpo = impl.endswith("-grpo")
     if impl.startswith("trl"):
         from trl.kernels import ChunkedLogProbFunction
 
@@ -162,9 +154,6 @@ def build(torch, impl, softcap):
             return -lp.sum() / mask.sum().clamp(min=1)
 
         return trl_head
-    prepolicy = impl.endswith("-prepolicy")
-    if prepolicy:
-        impl = impl[:-len("-prepolicy")]
     if impl in ("ours-sft", "ours-logp", "ours-grpo", "ours-sft-tiles"):
         from fused_ce_patch import ForwardGradHint, fused_linear_token_stats
 
@@ -172,17 +161,10 @@ def build(torch, impl, softcap):
         hint = None if impl == "ours-logp" else ForwardGradHint()
         backend = "torch" if impl.endswith("-tiles") else "auto"
 
-        def budget(labels):
-            if not prepolicy:
-                return None  # the default: the tile policy
-            from fused_ce_patch.backends.triton import default_budget
-
-            return default_budget(int((labels != -100).sum()))
-
         def ours(hidden, weight, labels):
             s = fused_linear_token_stats(hidden, weight, labels, softcap=softcap,
                                          entropy=full, accuracy=full, backend=backend,
-                                         grad_hint=hint, logits_budget=budget(labels))
+                                         grad_hint=hint)
             w = _weights(torch, labels, grpo)
             lp = s.log_probs if w is None else s.log_probs * w
             return -lp.sum() / s.mask.sum().clamp(min=1)
@@ -192,7 +174,7 @@ def build(torch, impl, softcap):
         from fused_ce_patch import fused_linear_cross_entropy
 
         return lambda hd, w, y: fused_linear_cross_entropy(hd, w, y, softcap=softcap)
-    raise ValueError(f"unknown implementation {impl!r}; valid: {', '.join(IMPLS + PREPOLICY)}")
+    raise ValueError(f"unknown implementation {impl!r}; valid: {', '.join(IMPLS)}")
 
 
 def measure(torch, fn, data, ref, args, dev):
