@@ -79,6 +79,7 @@ def _watched_step(n, h, v, *, dtype=torch.float32, softcap=None, **kwargs):
     watcher = LogitsWatcher(h, (hid, w, b, y))
     with watcher:
         out = fused_linear_token_stats(hid, w, y, bias=b, entropy=True, accuracy=True,
+                                       mean_logits=True, log_sum_sq_probs=True,
                                        softcap=softcap, backend="torch", **kwargs)
         g = torch.linspace(-1.0, 1.0, n, dtype=out.log_probs.dtype)  # per-token weights
         ((out.log_probs * g).sum() + 0.1 * out.entropy.sum()).backward()

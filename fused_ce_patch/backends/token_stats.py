@@ -10,12 +10,12 @@ Optionally also ``mean_v z_v`` and ``log sum_v p_v^2`` (TRL's ``mean_logits`` an
 ``log_sum_sq_probs``, without gradient). The logits are visited in tiles of ``R`` rows by ``Vb``
 vocabulary columns, sized so that all the tile's temporaries at once (at most four float32
 ``[R, Vb]`` eager, float64 for float64 inputs; about half that when compiled) fit in
-``logits_budget``: the element-wise steps after the first write in place. With ``T(x) = c * tanh(s * x / c) / t``
-(logit scale ``s``, softcap ``c``, temperature ``t``), the forward computes each tile's ``z =
-T(h W_b^T + b_b)`` and folds it into per-row running statistics (online log-sum-exp: running max
-``m``, ``sum exp(z - m)``, ``sum exp(z - m) z``, the label's logit, the first argmax), giving
-``log p_y = z_y - LSE``, ``H = LSE - sum_v p_v z_v`` and ``argmax z == y`` with only
-``[M]``-sized state. The backward walks vocabulary blocks in the outer loop, recomputes each
+``logits_budget``: the element-wise steps after the first write in place. With
+``T(x) = c * tanh(s * x / c) / t`` (logit scale ``s``, softcap ``c``, temperature ``t``), the
+forward computes each tile's ``z = T(h W_b^T + b_b)`` and folds it into per-row running
+statistics (online log-sum-exp: running max ``m``, ``sum exp(z - m)``, ``sum exp(z - m) z``,
+the label's logit, the first argmax), giving ``log p_y = z_y - LSE``,
+``H = LSE - sum_v p_v z_v`` and ``argmax z == y`` with only ``[M]``-sized state. The backward walks vocabulary blocks in the outer loop, recomputes each
 tile's logits, and forms
 
     dL/dz_v = g_lp * (1[v = y] - p_v) - g_H * p_v * (log p_v + H)
@@ -104,11 +104,6 @@ def _transform(x, b, acc, scale, softcap, temperature):
     return z, t
 
 
-def _row_dot(a, b):
-    """``(a * b).sum(-1)`` of two ``[R, C]`` tiles without an ``[R, C]`` product."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
-
-
 def forward_tile(x, b, y_local, run_max, acc: torch.dtype, scale: float, softcap,
                  temperature: float, entropy: bool, sq: bool, mean: bool):
     """Row statistics of one ``[R, Vb]`` tile of raw logits ``x`` (``h W_b^T``, input dtype).
@@ -117,8 +112,8 @@ def forward_tile(x, b, y_local, run_max, acc: torch.dtype, scale: float, softcap
     the tile's first maximum and its column, the running max after it, the rescale factor of
     earlier sums, ``sum exp(z - new_max)`` (times ``z``, squared), ``sum z`` and the logit at
     column ``y_local`` (clamped; the caller keeps it only where the label is in the tile).
-    Unrequested sums are None. Tile-sized temporaries besides ``x``: ``z`` and ``exp(z - m)``
-    (and the softcap's ``tanh``).
+    Unrequested sums are None. Tile-sized temporaries besides ``x``: ``z``, ``exp(z - m)``
+    and one product of them at a time (the softcap's ``tanh`` is freed before).
     """
     z, t = _transform(x, b, acc, scale, softcap, temperature)
     del t
@@ -129,8 +124,9 @@ def forward_tile(x, b, y_local, run_max, acc: torch.dtype, scale: float, softcap
     picked = z.gather(1, y_local.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
     e = torch.sub(z, new_max.unsqueeze(1)).exp_()
     sum_e = e.sum(dim=-1)
-    sum_ez = _row_dot(e, z) if entropy else None
-    sum_ee = _row_dot(e, e) if sq else None
+    # element-wise products, not a matmul: TF32 (if allowed) must not round these sums
+    sum_ez = (e * z).sum(dim=-1) if entropy else None
+    sum_ee = (e * e).sum(dim=-1) if sq else None
     return top, at, new_max, alpha, sum_e, sum_ez, sum_ee, sum_z, picked
 
 

@@ -22,8 +22,8 @@ so a model that was never patched sees TRL's exact behaviour. The originals come
 last patched instance is reverted or garbage-collected (a ``weakref.finalize`` per patched
 instance), whichever comes first. Each routed call tells the kernel which tile TRL's function
 would hold (:mod:`fused_ce_patch.tile_policy`): with the default budget it never holds more
-transient logits than TRL's own kernel would. All five fields of trl 1.16 are produced; a field a later TRL
-adds that we do not know goes to TRL's kernel for that call, with one log message. Class-level
+transient logits than TRL's own kernel would. All five fields of trl 1.16 are produced; a field
+a later TRL adds that we do not know goes to TRL's kernel for that call, with one log message. Class-level
 patches (``apply_fused_ce_to_<arch>``) are not routed: they have no instance to recognise the
 weight by. Nor is an FSDP2 head: TRL hands the kernel ``weight.full_tensor()``, a new tensor, so
 TRL's kernel runs there (DeepSpeed ZeRO-3 gathers the parameter in place and is routed).
