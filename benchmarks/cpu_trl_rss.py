@@ -84,6 +84,8 @@ def _reset_peak() -> None:
 def _step_fn(impl: str, outputs, weighted: bool, n: int):
     import torch
 
+    from fused_ce_patch import fused_linear_token_stats
+
     g = torch.Generator().manual_seed(1)
     weights = torch.rand(n, generator=g) * 2 - 1 if weighted else torch.full((n,), 1.0 / n)
 
@@ -103,14 +105,13 @@ def _step_fn(impl: str, outputs, weighted: bool, n: int):
 
         return step
     if impl in ("ours", "ours-before"):
-        from fused_ce_patch import fused_linear_token_stats
-
         kw = {}
         if impl == "ours":  # what hf/trl.py's router passes for TRL's call
-            from fused_ce_patch.hf.trl import _logprob_tiling
-            from trl.kernels import ChunkedLogProbFunction
+            import trl.kernels
 
-            kw["replaces"] = _logprob_tiling(ChunkedLogProbFunction, 32768)
+            from fused_ce_patch.hf.trl import _logprob_tiling
+
+            kw["replaces"] = _logprob_tiling(trl.kernels.ChunkedLogProbFunction, 32768)
 
         def step(hidden, weight, labels):
             s = fused_linear_token_stats(
@@ -130,8 +131,6 @@ def _step_fn(impl: str, outputs, weighted: bool, n: int):
 
         return step
     if impl in ("ours-nll", "ours-nll-before"):
-        from fused_ce_patch import fused_linear_token_stats
-
         kw = {}
         if impl == "ours-nll":
             from fused_ce_patch.hf.trl import _chunked_nll_tiling
