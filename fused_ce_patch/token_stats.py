@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import backends
+from . import backends, tile_policy
+from .backends.token_stats import DEFAULT_BUDGET as TILES_DEFAULT_BUDGET
 from .backends.token_stats import Transform, token_stats_chunked, token_stats_reference
 from .loss import (
     _autocast,
@@ -28,6 +29,7 @@ from .loss import (
     _shift,
     check_logits_budget,
 )
+from .tile_policy import ReplacedTiling
 
 
 @dataclasses.dataclass
@@ -91,6 +93,7 @@ def fused_linear_token_stats(
     logits_budget: int | None = None,
     backend: str = "auto",
     grad_hint: ForwardGradHint | None = None,
+    replaces: ReplacedTiling | None = None,
 ) -> TokenStats:
     """Per-token log-probabilities (and optionally entropy and top-1 hits) of
     ``hidden @ weight.T (+ bias)`` without storing the ``[N, V]`` logits.
@@ -127,9 +130,11 @@ def fused_linear_token_stats(
         accuracy: also return ``is_top1``.
         mean_logits, log_sum_sq_probs: also return ``mean_v z_v`` / ``log sum_v p_v^2`` (the
             fields TRL's DPO logs and its WPO weighting uses; no gradient).
-        logits_budget: bytes of transient logits a chunk may hold (None: the loss's default,
-            256 MiB per 8192 counted rows, at most 512 MiB); the peak extra memory follows
-            it, not ``N * V``.
+        logits_budget: bytes of transient logits a chunk may hold; the peak extra memory
+            follows it, not ``N * V``. None: the backend's default (backend ``"triton"``: the
+            loss's, 248 MiB per 8192 counted rows, at most 496 MiB; the torch tiles: 256 MiB),
+            capped by the logits tile of the computation this call replaces
+            (:func:`fused_ce_patch.tile_policy.logits_budget`; see ``replaces``).
         backend: any name ``fused_linear_cross_entropy`` accepts. ``"reference"``
             materialises the logits in float32 (float64) and uses autograd — the oracle.
             ``"triton"`` (the CUDA default) runs cuBLAS logits chunks and one Triton row
@@ -143,6 +148,12 @@ def fused_linear_token_stats(
         grad_hint: a :class:`ForwardGradHint` shared by the calls of one training loop whose
             loss is a mean or sum of ``log_probs``: saves one matmul per chunk on backend
             ``"triton"`` (see the class). None: the gradient is formed in backward.
+        replaces: the computation this call stands in for
+            (:class:`~fused_ce_patch.tile_policy.ReplacedTiling`); with ``logits_budget=None``
+            the call holds at most the bytes of that computation's logits tile for the
+            counted rows. None: TRL's fused LM head
+            (:data:`~fused_ce_patch.tile_policy.TRL_LOGPROB`, ``[min(M, 4096), min(V, 32768)]``
+            logits in the compute dtype).
 
     Returns:
         :class:`TokenStats` ``(log_probs, entropy, is_top1, mask, mean_logits,
@@ -154,7 +165,8 @@ def fused_linear_token_stats(
             a meta-device (data-less) tensor.
         TypeError: dtype mismatch outside autocast, labels not int64/int32, a ``grad_hint``
             that is not a :class:`ForwardGradHint`, an ``entropy`` / ``accuracy`` /
-            ``mean_logits`` / ``log_sum_sq_probs`` that is not a bool (``"no"`` is truthy).
+            ``mean_logits`` / ``log_sum_sq_probs`` that is not a bool (``"no"`` is truthy), a
+            ``replaces`` that is not a :class:`~fused_ce_patch.tile_policy.ReplacedTiling`.
         BackendUnavailableError: the requested backend cannot run here.
 
     Source: the blockwise log-sum-exp of Wijmans et al., "Cut Your Losses in Large-Vocabulary
@@ -170,6 +182,9 @@ def fused_linear_token_stats(
     if grad_hint is not None and not isinstance(grad_hint, ForwardGradHint):
         raise TypeError(f"grad_hint must be None or a ForwardGradHint, got "
                         f"{type(grad_hint).__name__}")
+    if replaces is not None and not isinstance(replaces, ReplacedTiling):
+        raise TypeError(f"replaces must be None or a ReplacedTiling, got "
+                        f"{type(replaces).__name__}")
     ignore_index = _check_ignore_index(ignore_index)
     _check_shift(shift)
     _check_real_tensors(hidden, weight, labels, bias)  # before autocast, which rejects meta
@@ -201,10 +216,15 @@ def fused_linear_token_stats(
             from .backends.triton import default_budget
             from .backends.triton.token_stats import token_stats_triton
 
-            budget = default_budget(h.shape[0]) if logits_budget is None else logits_budget
+            budget = logits_budget
+            if budget is None:
+                budget = _default_budget(h, weight, replaces, default_budget(h.shape[0]))
             out = token_stats_triton(h, weight, bias, y, transform, extras, budget, grad_hint)
         if out is None:  # also when too few rows fit the budget for the Triton chunks
-            out = token_stats_chunked(h, weight, bias, y, transform, extras, logits_budget)
+            budget = logits_budget
+            if budget is None:
+                budget = _default_budget(h, weight, replaces, TILES_DEFAULT_BUDGET)
+            out = token_stats_chunked(h, weight, bias, y, transform, extras, budget)
     lp, ent, top1, mean_z, log_sq = out
     mask = flat != ignore_index
 
@@ -218,6 +238,12 @@ def fused_linear_token_stats(
 
     return TokenStats(scatter(lp), scatter(ent), scatter(top1), mask.view(labels.shape),
                       scatter(mean_z), scatter(log_sq))
+
+
+def _default_budget(h, weight, replaces, backend_default):
+    # never more transient logits than the path replaced holds for these rows (tile_policy)
+    return tile_policy.logits_budget(h.shape[0], weight.shape[0], h.dtype,
+                                     replaces or tile_policy.TRL_LOGPROB, backend_default)
 
 
 def _check_options(softcap, logit_scale, temperature, budget, backend):

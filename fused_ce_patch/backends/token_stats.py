@@ -8,13 +8,14 @@ BLAS.
 
 Optionally also ``mean_v z_v`` and ``log sum_v p_v^2`` (TRL's ``mean_logits`` and
 ``log_sum_sq_probs``, without gradient). The logits are visited in tiles of ``R`` rows by ``Vb``
-vocabulary columns, sized so that the tile's temporaries (four float32 ``[R, Vb]`` eager, about
-half that when compiled) fit in ``logits_budget``. With ``T(x) = c * tanh(s * x / c) / t``
-(logit scale ``s``, softcap ``c``, temperature ``t``), the forward computes each tile's ``z =
-T(h W_b^T + b_b)`` and folds it into per-row running statistics (online log-sum-exp: running max
-``m``, ``sum exp(z - m)``, ``sum exp(z - m) z``, the label's logit, the first argmax), giving
-``log p_y = z_y - LSE``, ``H = LSE - sum_v p_v z_v`` and ``argmax z == y`` with only
-``[M]``-sized state. The backward walks vocabulary blocks in the outer loop, recomputes each
+vocabulary columns, sized so that all the tile's temporaries at once (at most four float32
+``[R, Vb]`` eager, float64 for float64 inputs; about half that when compiled) fit in
+``logits_budget``: the element-wise steps after the first write in place. With
+``T(x) = c * tanh(s * x / c) / t`` (logit scale ``s``, softcap ``c``, temperature ``t``), the
+forward computes each tile's ``z = T(h W_b^T + b_b)`` and folds it into per-row running
+statistics (online log-sum-exp: running max ``m``, ``sum exp(z - m)``, ``sum exp(z - m) z``,
+the label's logit, the first argmax), giving ``log p_y = z_y - LSE``,
+``H = LSE - sum_v p_v z_v`` and ``argmax z == y`` with only ``[M]``-sized state. The backward walks vocabulary blocks in the outer loop, recomputes each
 tile's logits, and forms
 
     dL/dz_v = g_lp * (1[v = y] - p_v) - g_H * p_v * (log p_v + H)
@@ -38,11 +39,17 @@ import torch
 
 #: Default bytes of transient logits per tile when the caller gives no budget.
 DEFAULT_BUDGET = 256 * 2**20
-#: Bytes per tile cell: eager, four float32 ``[R, Vb]`` temporaries (z, p, log p / dz, one
-#: spare); compiled (the tile math fused into one kernel), the matmul output and dz in the
-#: inputs' dtype plus headroom.
-_CELL_BYTES_EAGER = 16
-_CELL_BYTES_COMPILED = 8
+#: Accumulator-sized values per tile cell that one tile holds at once. Eager: the matmul
+#: output ``x`` plus at most three ``[R, Vb]`` temporaries (``z`` / ``log p`` / ``dz`` in one
+#: buffer, ``p`` or ``exp(z - m)``, the softcap's ``tanh``), and ``dz`` cast to a 16-bit
+#: input dtype: at most four float32 values (float64: four float64) per cell, measured by
+#: tests/test_tile_policy.py. Compiled (the tile math fused into one kernel): the matmul
+#: output and ``dz``, plus headroom.
+_CELLS_EAGER = 4
+_CELLS_COMPILED = 2
+#: float32 accumulators: 16 bytes per cell eager, 8 compiled.
+_CELL_BYTES_EAGER = 4 * _CELLS_EAGER
+_CELL_BYTES_COMPILED = 4 * _CELLS_COMPILED
 #: Most rows in one tile: enough for full-speed matmuls, few enough to leave room for wide
 #: vocabulary blocks.
 ROWS_MAX = 8192
@@ -81,17 +88,19 @@ def tile_shape(n_rows: int, vocab: int, budget: int | None,
 
 
 def _transform(x, b, acc, scale, softcap, temperature):
-    z = x.to(acc)
+    """``(z, tanh or None)`` of one tile of raw logits ``x``; ``z`` is always a new tensor (never
+    ``x`` itself), so callers may overwrite it; every later step works in place on it."""
+    z = x.to(acc, copy=True)
     if b is not None:
-        z = z + b.to(acc)
+        z.add_(b.to(acc))
     if scale != 1.0:
-        z = z * scale
+        z.mul_(scale)
     t = None
     if softcap is not None:
-        t = torch.tanh(z / softcap)
-        z = softcap * t
+        t = torch.tanh(z.div_(softcap))
+        z = torch.mul(t, softcap, out=z)  # z's storage: no third tile
     if temperature != 1.0:
-        z = z / temperature
+        z.div_(temperature)
     return z, t
 
 
@@ -103,18 +112,21 @@ def forward_tile(x, b, y_local, run_max, acc: torch.dtype, scale: float, softcap
     the tile's first maximum and its column, the running max after it, the rescale factor of
     earlier sums, ``sum exp(z - new_max)`` (times ``z``, squared), ``sum z`` and the logit at
     column ``y_local`` (clamped; the caller keeps it only where the label is in the tile).
-    Unrequested sums are None.
+    Unrequested sums are None. Tile-sized temporaries besides ``x``: ``z``, ``exp(z - m)``
+    and one product of them at a time (the softcap's ``tanh`` is freed before).
     """
-    z, _ = _transform(x, b, acc, scale, softcap, temperature)
+    z, t = _transform(x, b, acc, scale, softcap, temperature)
+    del t
     top, at = z.max(dim=-1)
     new_max = torch.maximum(run_max, top)
     alpha = torch.exp(run_max - new_max)
-    e = torch.exp(z - new_max.unsqueeze(1))
-    sum_e = e.sum(dim=-1)
-    sum_ez = (e * z).sum(dim=-1) if entropy else None
-    sum_ee = (e * e).sum(dim=-1) if sq else None
     sum_z = z.sum(dim=-1) if mean else None
     picked = z.gather(1, y_local.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    e = torch.sub(z, new_max.unsqueeze(1)).exp_()
+    sum_e = e.sum(dim=-1)
+    # element-wise products, not a matmul: TF32 (if allowed) must not round these sums
+    sum_ez = (e * z).sum(dim=-1) if entropy else None
+    sum_ee = (e * e).sum(dim=-1) if sq else None
     return top, at, new_max, alpha, sum_e, sum_ez, sum_ee, sum_z, picked
 
 
@@ -124,24 +136,34 @@ def backward_tile(x, b, y_local, lse, ent, g_lp, g_ent, acc: torch.dtype, scale:
 
     ``dL/dz_v = g_lp (1[v = y] - p_v) - g_ent p_v (log p_v + H)``, chained through the
     temperature, the softcap and the logit scale. ``g_lp`` / ``g_ent`` may be None.
+    Tile-sized temporaries besides ``x``: ``log p`` (which becomes ``dz``), ``p`` (and the
+    softcap's ``tanh``), plus ``dz`` in ``out_dtype`` when that differs from ``acc``.
     """
     z, t = _transform(x, b, acc, scale, softcap, temperature)
-    log_p = z - lse.unsqueeze(1)
+    log_p = z.sub_(lse.unsqueeze(1))
     p = torch.exp(log_p)
     if g_ent is not None:
-        dz = -(g_ent.unsqueeze(1) * p) * (log_p + ent.unsqueeze(1))
+        # -g_ent p (log p + H), written over log p
+        dz = log_p.add_(ent.unsqueeze(1)).mul_(p).mul_(-g_ent.unsqueeze(1))
+        if g_lp is not None:
+            dz.sub_(p.mul_(g_lp.unsqueeze(1)))
+    elif g_lp is not None:
+        dz = p.mul_(-g_lp.unsqueeze(1))
+        del log_p
     else:
-        dz = torch.zeros_like(p)
+        dz = log_p.zero_()
+    del p
     if g_lp is not None:
-        cols = torch.arange(z.shape[1], device=z.device)
-        hit = (cols.unsqueeze(0) == y_local.unsqueeze(1)).to(acc)
-        dz = dz + g_lp.unsqueeze(1) * (hit - p)
+        # + g_lp at the label's column, where the label lies in this tile
+        inside = (y_local >= 0) & (y_local < dz.shape[1])
+        dz.scatter_add_(1, y_local.clamp(0, dz.shape[1] - 1).unsqueeze(1),
+                        (g_lp * inside).unsqueeze(1))
     if temperature != 1.0:
-        dz = dz / temperature
+        dz.div_(temperature)
     if t is not None:
-        dz = dz * (1.0 - t * t)
+        dz.mul_(t.mul_(t).neg_().add_(1.0))
     if scale != 1.0:
-        dz = dz * scale
+        dz.mul_(scale)
     db = dz.sum(dim=0) if need_b else None
     return dz.to(out_dtype), db
 
@@ -327,8 +349,9 @@ def token_stats_chunked(hidden, weight, bias, labels, transform, extras, logits_
     """Run :class:`TokenStatsFunction` on ``[M, H]`` rows with ``[M]`` valid labels."""
     compiled = _compile_wanted(forward_tile, hidden.device) and _compile_wanted(
         backward_tile, hidden.device)
+    acc_bytes = 8 if hidden.dtype == torch.float64 else 4
     tile = tile_shape(hidden.shape[0], weight.shape[0], logits_budget,
-                      _CELL_BYTES_COMPILED if compiled else _CELL_BYTES_EAGER)
+                      acc_bytes * (_CELLS_COMPILED if compiled else _CELLS_EAGER))
     return TokenStatsFunction.apply(hidden, weight, bias, labels, transform,
                                     frozenset(extras), tile)
 

@@ -20,8 +20,10 @@ module attributes is replaced by a router that computes with
 weight of a patched instance, and calls TRL's own function, unchanged, for every other model —
 so a model that was never patched sees TRL's exact behaviour. The originals come back when the
 last patched instance is reverted or garbage-collected (a ``weakref.finalize`` per patched
-instance), whichever comes first. All five fields of trl 1.16 are produced; a field a later TRL
-adds that we do not know goes to TRL's kernel for that call, with one log message. Class-level
+instance), whichever comes first. Each routed call tells the kernel which tile TRL's function
+would hold (:mod:`fused_ce_patch.tile_policy`): with the default budget it never holds more
+transient logits than TRL's own kernel would. All five fields of trl 1.16 are produced; a field
+a later TRL adds that we do not know goes to TRL's kernel for that call, with one log message. Class-level
 patches (``apply_fused_ce_to_<arch>``) are not routed: they have no instance to recognise the
 weight by. Nor is an FSDP2 head: TRL hands the kernel ``weight.full_tensor()``, a new tensor, so
 TRL's kernel runs there (DeepSpeed ZeRO-3 gathers the parameter in place and is routed).
@@ -39,6 +41,7 @@ import weakref
 
 import torch
 
+from ..tile_policy import TRL_CHUNKED_NLL, TRL_LOGPROB, ReplacedTiling
 from ..token_stats import ForwardGradHint, fused_linear_token_stats
 
 logger = logging.getLogger(__name__)
@@ -149,10 +152,31 @@ class _RoutedChunkedLogProb:
             mean_logits="mean_logits" in outputs,
             log_sum_sq_probs="log_sum_sq_probs" in outputs,
             logits_budget=options.logits_budget, backend=options.backend,
-            grad_hint=_grad_hint(found[0]),
+            grad_hint=_grad_hint(found[0]), replaces=_logprob_tiling(self.original, chunk_size),
         )
         return (stats.log_probs.float(), _f32(stats.entropy), _f32(stats.log_sum_sq_probs),
                 _f32(stats.mean_logits), stats.is_top1)
+
+
+def _logprob_tiling(original, chunk_size) -> ReplacedTiling:
+    """The logits tile TRL's ``ChunkedLogProbFunction`` would hold: ``TOKEN_CHUNK_SIZE`` rows
+    (read from its module) by the ``chunk_size`` columns its caller passed."""
+    module = sys.modules.get(getattr(original, "__module__", "") or "")
+    rows = getattr(module, "TOKEN_CHUNK_SIZE", TRL_LOGPROB.rows)
+    try:
+        cols = int(chunk_size)
+    except (TypeError, ValueError):
+        cols = TRL_LOGPROB.cols
+    return ReplacedTiling(TRL_LOGPROB.name, rows=max(1, int(rows)), cols=max(1, cols))
+
+
+def _chunked_nll_tiling(chunk_size) -> ReplacedTiling:
+    """trl 1.6-1.14's chunked_nll tile: ``chunk_size`` rows by the whole vocabulary, float32."""
+    try:
+        rows = max(1, int(chunk_size))
+    except (TypeError, ValueError):
+        rows = TRL_CHUNKED_NLL.rows
+    return ReplacedTiling(TRL_CHUNKED_NLL.name, rows=rows, itemsize=TRL_CHUNKED_NLL.itemsize)
 
 
 def _f32(x):
@@ -187,7 +211,7 @@ def _make_routed_chunked_ce(original):
             softcap=final_logit_softcapping, logit_scale=float(logit_scale),
             entropy=True, accuracy=True,
             logits_budget=options.logits_budget, backend=options.backend,
-            grad_hint=_grad_hint(found[0]),
+            grad_hint=_grad_hint(found[0]), replaces=_chunked_nll_tiling(chunk_size),
         )
         n_valid = stats.mask.sum()
         total = -stats.log_probs.sum()

@@ -8,6 +8,8 @@ Every comparison runs stock TRL and patched TRL from identical weights in float3
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -26,6 +28,72 @@ TRL = Version(trl.__version__)
 HAS_FUSED_HEAD = TRL >= Version("1.15")  # add_fused_lm_head in every trainer
 CHUNKED_DEFAULT = Version("1.7") <= TRL < Version("1.15")  # loss_type="chunked_nll" default
 TOL = 1e-5
+
+
+def _stock_head_runs_on_cpu() -> bool:
+    """Whether TRL's fused-head kernel runs on CPU tensors here (trl 1.15 launches its Triton
+    kernels on every device when Triton is importable, and they fail on CPU tensors)."""
+    if not HAS_FUSED_HEAD:
+        return True
+    from trl.trainer.utils import _ChunkedLogProbFunction
+
+    try:
+        _ChunkedLogProbFunction.apply(torch.randn(2, 4), torch.randn(5, 4), None,
+                                      torch.tensor([1, 3]), 1.0, 32768, None, 1.0,
+                                      ("log_probs",))
+    except Exception:  # noqa: BLE001 - whatever the failure, stock TRL cannot run here
+        return False
+    return True
+
+
+STOCK_HEAD_ON_CPU = _stock_head_runs_on_cpu()
+#: DPO, KTO, GRPO and RLOO also score an unpatched reference model, through TRL's own kernel:
+#: on trl 1.15 that cannot run on CPU, with or without fused_ce_patch on the policy.
+needs_trl_kernel_on_cpu = pytest.mark.skipif(
+    not STOCK_HEAD_ON_CPU, reason=f"trl {TRL}'s own kernel (used for the reference model) has "
+    "no CPU path")
+
+
+class _MaterialisedLogProb:
+    """TRL's fused-head kernel (``_ChunkedLogProbFunction.apply``, same arguments and results)
+    from materialised float32 logits and autograd: the stock reference where TRL's own kernel
+    cannot run on CPU (trl 1.15)."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size,
+              final_logit_softcapping=None, logit_scale=1.0,
+              outputs=("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")):
+        z = (hidden @ weight.t()).float()
+        if bias is not None:
+            z = z + bias.float()
+        z = z * logit_scale
+        if final_logit_softcapping is not None:
+            z = final_logit_softcapping * torch.tanh(z / final_logit_softcapping)
+        z = z / temperature
+        log_p = torch.log_softmax(z, -1)
+        lp = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        ent = -(log_p.exp() * log_p).sum(-1) if "entropy" in outputs else None
+        sq = torch.logsumexp(2 * log_p, -1).detach() if "log_sum_sq_probs" in outputs else None
+        mean = z.mean(-1).detach() if "mean_logits" in outputs else None
+        top1 = (z.argmax(-1) == targets) if "is_top1" in outputs else None
+        return lp, ent, sq, mean, top1
+
+
+@contextlib.contextmanager
+def _stock_head():
+    """Stock TRL, with :class:`_MaterialisedLogProb` in place of TRL's kernel where that has
+    no CPU path; TRL's object is back on exit."""
+    if STOCK_HEAD_ON_CPU:
+        yield
+        return
+    import trl.trainer.utils as utils_mod
+
+    saved = utils_mod._ChunkedLogProbFunction
+    utils_mod._ChunkedLogProbFunction = _MaterialisedLogProb
+    try:
+        yield
+    finally:
+        utils_mod._ChunkedLogProbFunction = saved
 
 
 @pytest.fixture
@@ -97,7 +165,8 @@ def test_sft_trains_with_our_kernel_and_same_metrics(route, loss_type, tmp_path,
     if route == "apply_first" and not (HAS_FUSED_HEAD or CHUNKED_DEFAULT):
         pytest.skip("with loss_type='nll', TRL's metrics need the callback or the flag")
     init = build_model("llama")
-    want = _history(_sft(reference_copy(init), tmp_path / "stock", **extra), SFT_KEYS)
+    with _stock_head():
+        want = _history(_sft(reference_copy(init), tmp_path / "stock", **extra), SFT_KEYS)
     assert token_spy.count == 0 and spy.count == 0
     model = reference_copy(init)
     if route == "flag":
@@ -109,6 +178,15 @@ def test_sft_trains_with_our_kernel_and_same_metrics(route, loss_type, tmp_path,
         trainer = _sft(apply_fused_ce(model), tmp_path / "ours", **extra)
     assert is_fused_ce_applied(trainer.model)
     assert token_spy.count >= 2  # our kernel computed every training step
+    # the router tells the kernel which tile TRL's own computation would hold (tile_policy)
+    tiling = token_spy.calls[-1]["replaces"]
+    if HAS_FUSED_HEAD:
+        from trl.kernels import chunked_logprob
+
+        assert (tiling.rows, tiling.cols, tiling.itemsize) == (
+            chunked_logprob.TOKEN_CHUNK_SIZE, 32768, None)
+    else:
+        assert (tiling.rows, tiling.cols, tiling.itemsize) == (256, None, 4)
     assert "return_logits=True" not in caplog.text  # no advice to give up the fused path
     if HAS_FUSED_HEAD:  # recognised though trl 1.16 functools.wraps it as the class forward
         assert trl_routing.is_trl_head_forward(model.__dict__.get("forward"))
@@ -143,9 +221,13 @@ def test_revert_gives_trl_its_objects_back(tmp_path):
 
 
 def test_unpatched_model_keeps_trl_kernel_while_another_is_patched(tmp_path, token_spy):
-    other = apply_fused_ce(build_model("llama"))  # noqa: F841 - keeps the routing alive
-    _sft(build_model("llama"), tmp_path)
-    assert token_spy.count == 0
+    from fused_ce_patch import revert_fused_ce
+
+    with _stock_head():
+        other = apply_fused_ce(build_model("llama"))  # keeps the routing alive
+        _sft(build_model("llama"), tmp_path)
+        assert token_spy.count == 0
+        revert_fused_ce(other)  # the router holds TRL's object (or the stand-in) until then
 
 
 def _dpo_rows():
@@ -172,6 +254,7 @@ DPO_KEYS = ["loss", "logps/chosen", "logps/rejected", "rewards/margins"]
 
 
 @pytest.mark.skipif(not HAS_FUSED_HEAD, reason="DPO computes from logits before trl 1.15")
+@needs_trl_kernel_on_cpu
 def test_dpo_step_with_our_kernel(tmp_path, token_spy):
     init = build_model("llama")
     want = _history(_dpo(reference_copy(init), reference_copy(init), tmp_path / "s"), DPO_KEYS)
@@ -202,6 +285,7 @@ GRPO_KEYS = ["loss", "entropy", "kl"]
 
 
 @pytest.mark.skipif(not HAS_FUSED_HEAD, reason="GRPO computes from logits before trl 1.15")
+@needs_trl_kernel_on_cpu
 def test_grpo_step_with_our_kernel(tmp_path, token_spy):
     from transformers import AutoModelForCausalLM
 
@@ -235,6 +319,7 @@ KTO_KEYS = ["loss", "kl", "entropy", "logps/chosen", "logps/rejected"]
 
 
 @pytest.mark.skipif(not HAS_FUSED_HEAD, reason="KTO computes from logits before trl 1.15")
+@needs_trl_kernel_on_cpu
 def test_kto_step_with_our_kernel(tmp_path, token_spy):
     init = build_model("llama")
     want = _history(_kto(reference_copy(init), reference_copy(init), tmp_path / "s"), KTO_KEYS)
@@ -248,6 +333,7 @@ def test_kto_step_with_our_kernel(tmp_path, token_spy):
 
 
 @pytest.mark.skipif(not HAS_FUSED_HEAD, reason="RLOO computes from logits before trl 1.15")
+@needs_trl_kernel_on_cpu
 def test_rloo_step_with_our_kernel(tmp_path, token_spy):
     from transformers import AutoModelForCausalLM
 
@@ -287,7 +373,8 @@ def test_sft_evaluate_loss_and_metrics_match_stock(tmp_path, token_spy):
                                  processing_class=_tokenizer(), callbacks=list(callbacks))
         return trainer.evaluate()
 
-    want = run(reference_copy(init), tmp_path / "s")
+    with _stock_head():
+        want = run(reference_copy(init), tmp_path / "s")
     got = run(reference_copy(init), tmp_path / "o", [FusedCECallback()])
     for k in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
         if k in want:
@@ -308,3 +395,17 @@ def test_nll_with_compute_metrics_keeps_logits_path_and_warns(tmp_path, caplog):
                        compute_metrics=lambda p: {})
     assert "return_logits=True" in caplog.text
     assert not trl_routing.is_trl_head_forward(model.__dict__.get("forward"))
+
+
+@pytest.mark.skipif(STOCK_HEAD_ON_CPU, reason="TRL's own head runs on CPU here (trl != 1.15)")
+def test_trl_head_without_a_cpu_path_fails_stock_and_trains_patched(tmp_path, token_spy):
+    # trl 1.15 launches Triton kernels on CPU tensors: stock SFT cannot train on CPU, a
+    # model patched by fused_ce_patch trains (its kernel runs instead of TRL's)
+    init = build_model("llama")
+    with pytest.raises(Exception):  # noqa: B017 - whatever Triton raises on CPU tensors
+        _sft(reference_copy(init), tmp_path / "stock")
+    assert token_spy.count == 0
+    trainer = _sft(reference_copy(init), tmp_path / "ours", callbacks=[FusedCECallback()])
+    assert token_spy.count >= 2
+    losses = _history(trainer, ["loss"])["loss"]
+    assert losses.numel() >= 1 and torch.isfinite(losses).all()
