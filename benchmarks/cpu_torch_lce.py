@@ -33,7 +33,7 @@ against float64 materialised logits from the same (rounded) inputs, on the first
 
 Usage::
 
-    python benchmarks/cpu_torch_lce.py             # two shapes x fp32, bf16 (~15 min, 1 thread)
+    python benchmarks/cpu_torch_lce.py             # two shapes x fp32, bf16 (~20 min, 1 thread, loaded)
     python benchmarks/cpu_torch_lce.py --quick     # N=256, H=64, V=4096 (seconds)
 
 Writes ``benchmarks/results/cpu_torch_lce[_quick].json`` and ``.png`` and prints the table
