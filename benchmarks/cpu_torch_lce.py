@@ -2,7 +2,7 @@
 
 Question: a user on torch >= 2.13 can call ``torch.nn.functional.linear_cross_entropy``
 instead of this plugin. On CPU, for forward+backward (grads of hidden and weight) of a
-causal-LM head, what do the three cost in time and peak memory, and how far is each from a
+causal-LM head, what do they cost in time and peak memory, and how far is each from a
 float64 reference?
 
     naive      F.cross_entropy(F.linear(hidden, weight).float(), labels)  (HF's stock head)
@@ -24,7 +24,7 @@ warm-up forward+backward, grads dropped, the kernel's peak-RSS mark reset
 ``timing.time_ms`` (wall clock and process CPU time; the table gives the medians; CPU time /
 threads is what a step takes on idle cores, the number to compare on a shared machine).
 **Peak extra memory** = ``VmHWM`` - baseline over the timed steps, including the returned
-gradients (``[N, H] + [V, H]`` in the input dtype, the same for all three); glibc serves
+gradients (``[N, H] + [V, H]`` in the input dtype, the same for all); glibc serves
 allocations above 64 KiB by ``mmap`` so freed buffers leave the resident set at once.
 
 Errors (``fused_ce_patch.numerics.relative_error``, ``||a - b|| / ||b||``) of loss, dH and dW
@@ -33,7 +33,7 @@ against float64 materialised logits from the same (rounded) inputs, on the first
 
 Usage::
 
-    python benchmarks/cpu_torch_lce.py             # two shapes x fp32, bf16 (~20 min, 1 thread, loaded)
+    python benchmarks/cpu_torch_lce.py             # 2 shapes x fp32, bf16 (~20 min loaded)
     python benchmarks/cpu_torch_lce.py --quick     # N=256, H=64, V=4096 (seconds)
 
 Writes ``benchmarks/results/cpu_torch_lce[_quick].json`` and ``.png`` and prints the table
