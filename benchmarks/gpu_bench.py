@@ -40,11 +40,13 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
 import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import time_ms  # noqa: E402  (the timer of every benchmark)
 
 SHAPES = {
     # name: (N, H, V, softcap)
@@ -249,23 +251,11 @@ def measure(torch, fn, data, ref, args, dev, time_only=False):
         row["extra_mib"] = (torch.cuda.max_memory_allocated() - base - grads) / MiB
         del out
         hidden.grad = weight.grad = None
-    times = []
-    for _ in range(max(args.iters, 1)):
-        if dev == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t) * 1e3)
+    def reset():
         hidden.grad = weight.grad = None
-    row["ms"] = statistics.median(times)
-    row["ms_min"] = min(times)
-    row["ms_max"] = max(times)
+
+    timing = time_ms(step, iters=max(args.iters, 1), device=dev, reset=reset)
+    row["ms"], row["ms_min"], row["ms_max"] = timing.median, timing.min, timing.max
     return row
 
 

@@ -21,12 +21,14 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from timing import time_ms  # noqa: E402  (the timer of every benchmark)
+
 VARIANTS = ("stock-eager", "stock-compiled", "fused-eager", "fused-compiled")
 
 
@@ -110,22 +112,12 @@ def run_one(torch, variant, args, dev):
         return out.loss.detach()
 
     first = float(step())
-    for _ in range(args.warmup):
-        step()
-    if dev == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        step()
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
+    timing = time_ms(step, iters=args.steps, warmup=args.warmup, device=dev, track_peak=True)
+    times = timing.ms
+    peak = timing.peak_bytes / 2**30 if dev == "cuda" else 0.0
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     del model, opt, run
-    return {"ms": statistics.median(times), "ms_all": times, "peak_gib": peak, "loss": first,
+    return {"ms": timing.median, "ms_all": times, "peak_gib": peak, "loss": first,
             "graph_breaks": breaks}
 
 

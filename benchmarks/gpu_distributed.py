@@ -53,7 +53,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,7 +61,7 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from gpu_e2e import timed_steps  # noqa: E402  (the single-GPU step benchmark's timer)
+from timing import time_ms  # noqa: E402  (the timer of every benchmark)
 ROOT = os.path.dirname(HERE)
 #: model -> (config file in e2e_configs/, decoder layer class for accelerate's wrap policy)
 MODELS = {
@@ -430,9 +429,15 @@ def fsdp2_on_cpu(torch, model, plugin):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-5)
 
 
+def unwrapped(model):
+    """The model inside a DDP / DeepSpeed-engine wrapper (FSDP2 shards in place)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model)
+
+
 def head_of(model):
-    base = getattr(model, "module", model)  # DDP / DeepSpeed engine
-    return base.get_output_embeddings()
+    return unwrapped(model).get_output_embeddings()
 
 
 def head_unit(model) -> str:
@@ -478,7 +483,7 @@ def one_run(torch, dist, run, args, device, scratch):
 
     rows = run["rows"]
     g = torch.Generator().manual_seed(1)  # one batch, each rank its own rows
-    vocab = getattr(model, "module", model).config.vocab_size
+    vocab = unwrapped(model).config.vocab_size
     ids = torch.randint(0, vocab, (rows * world, args.seq), generator=g)[rank * rows:][:rows]
     labels = ids.clone()
     labels[:, : args.seq // 16] = -100  # a prompt part, same count on every rank
@@ -517,10 +522,9 @@ def one_run(torch, dist, run, args, device, scratch):
     dist.all_reduce(loss)
     first_loss = loss.item() / world
 
-    for _ in range(args.warmup):
-        step()
-    times, peak = timed_steps(torch, step, args.steps, cuda)
-    stats = torch.tensor([statistics.median(times), peak, base], dtype=torch.float64,
+    timing = time_ms(step, iters=args.steps, warmup=args.warmup, device=device, track_peak=cuda)
+    times, peak = timing.ms, timing.peak_bytes / 2**30 if cuda else 0.0
+    stats = torch.tensor([timing.median, peak, base], dtype=torch.float64,
                          device=device)  # fmt: skip
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     if engine is not None:

@@ -36,13 +36,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from timing import time_ms  # noqa: E402  (the timer of every benchmark)
 MODELS = {"smollm2-135m": "llama", "gemma3-270m": "gemma3_text"}
 VARIANTS = ("stock", "fused_ce_patch", "liger", "fused+liger", "liger_all")
 USES_LIGER = ("liger", "fused+liger", "liger_all")
@@ -219,29 +220,6 @@ def patch(model, name, variant, dev):
     return kernels
 
 
-def timed_steps(torch, step, steps: int, cuda: bool):
-    """``(ms of each call of step(), peak GiB allocated over them)``: CUDA events on a GPU
-    (peak counted from a reset just before), wall clock and 0.0 elsewhere."""
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            step()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t) * 1e3)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-    return times, peak
-
-
 def run_one(torch, name, variant, args, dev):
     if variant in ("liger", "liger_all") and dev != "cuda":
         return {"error": "skipped: Liger's loss/RMSNorm/GLU kernels need CUDA"}
@@ -264,10 +242,11 @@ def run_one(torch, name, variant, args, dev):
     first = float(step())
     for _ in range(args.warmup):
         step()
-    times, peak = timed_steps(torch, step, args.steps, dev == "cuda")
+    cuda = dev == "cuda"
+    timing = time_ms(step, iters=args.steps, device=dev, track_peak=cuda)
     del model, opt
-    row = {"weights": weights, "ms": statistics.median(times), "ms_all": times,
-           "peak_gib": peak, "loss": first}  # fmt: skip
+    row = {"weights": weights, "ms": timing.median, "ms_all": timing.ms,
+           "peak_gib": timing.peak_bytes / 2**30 if cuda else 0.0, "loss": first}  # fmt: skip
     if kernels is not None:
         row["liger"] = {k: v for k, v in kernels.items() if v}
     return row

@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 import traceback
 
 SHAPES = {
@@ -148,24 +146,9 @@ def measure(impl, hidden, weight, labels, scale, refs, dev, iters, warmup):
 
 
 def timed(step, dev, iters, warmup):
-    import torch
+    from timing import time_ms
 
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        if dev == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    return time_ms(step, iters=iters, warmup=warmup, device=dev).median
 
 
 def fmt_row(r):

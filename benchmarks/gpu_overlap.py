@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gpu_bench  # noqa: E402  (inputs, measurement, cleanup, environment)
+from timing import Laps  # noqa: E402  (the timer of every benchmark)
 
 VARIANTS = ("base=;overlap=overlap;overlap-2x=overlap,rows=2;dh-first=dh_first;rows-2x=rows=2;"
             "persist-1x16w=programs=1,warps=16;persist-0.5x16w=programs=0.5,warps=16;"
@@ -201,39 +202,6 @@ def measure_variant(torch, data, ref, softcap, budget, text, args, dev, chunked_
 # -- where the default schedule's time goes -------------------------------------------------
 
 
-class Clock:
-    """Named laps between consecutive marks: CUDA events on the GPU (no synchronisation
-    until :meth:`totals`), ``perf_counter`` on the CPU."""
-
-    def __init__(self, torch, dev):
-        self.torch, self.cuda = torch, dev == "cuda"
-        self.marks = []
-
-    def _now(self):
-        if self.cuda:
-            e = self.torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def start(self):
-        self.marks.append((None, self._now()))
-
-    def lap(self, name):
-        self.marks.append((name, self._now()))
-
-    def totals(self):
-        if self.cuda:
-            self.torch.cuda.synchronize()
-        out = {}
-        for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
-            if name is None:
-                continue
-            ms = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-            out[name] = out.get(name, 0.0) + ms
-        return out
-
-
 def timed_eager_pass(torch, chunked_path, clock):
     """The chunked path's eager pass (``chunked_path._eager_pass``, the schedule of bf16
     mean/sum losses with gradients) with a clock lap after each step; same calls, same
@@ -292,9 +260,9 @@ def stage_times(torch, data, ref, softcap, budget, args, dev, chunked_path):
     runs, totals, errs = [], [], None
     try:
         for i in range(max(1, args.stage_iters) + 1):  # the first run compiles / warms up
-            clock = Clock(torch, dev)
+            clock = Laps(dev)
             chunked_path._eager_pass = timed_eager_pass(torch, chunked_path, clock)
-            whole = Clock(torch, dev)
+            whole = Laps(dev)
             whole.start()
             loss = fn(hidden, weight, data["labels"])
             loss.backward()

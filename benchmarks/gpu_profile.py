@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gpu_bench  # noqa: E402  (inputs, environment)
-import gpu_e2e  # noqa: E402  (event-timed steps)
+from timing import time_ms  # noqa: E402  (the timer of every benchmark)
 
 SHAPES = "llama3-8b,gemma3-270m,gemma2-2b"
 #: Row kernel launches timed (``name=<ChunkedTuning items>``, ``;``-separated); the first is
@@ -264,10 +264,10 @@ def print_kernels(name, t):
 
 def _events(torch, dev, fn, iters):
     """Median CUDA-event time (ms) of ``fn`` after one warm-up call; NaN off CUDA."""
-    fn()
     if dev != "cuda":
+        fn()
         return float("nan")
-    return statistics.median(gpu_e2e.timed_steps(torch, fn, iters, cuda=True)[0])
+    return time_ms(fn, iters=iters, warmup=1, device=dev).median
 
 
 def row_kernel_bandwidth(torch, shape, dev, iters, tuning=""):

@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -50,6 +49,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # Same inputs, float32 reference and cleanup as the loss-layer benchmark, so rows compare.
 from gpu_bench import cleanup, make_inputs, reference  # noqa: E402
+from timing import time_ms  # noqa: E402
 from trl_head_impls import IMPLS, build, reference_weighted  # noqa: E402
 
 SHAPES = {  # name: (N, H, V, softcap)
@@ -122,21 +122,7 @@ def measure(torch, fn, data, ref, args, dev):
         loss.backward()
         return loss
 
-    for _ in range(args.warmup):
-        step()
-    times = []
-    for _ in range(args.iters):
-        if dev == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
+    timing = time_ms(step, iters=args.iters, warmup=args.warmup, device=dev)
     hidden.grad = weight.grad = None
     extra = None
     if dev == "cuda":
@@ -155,7 +141,7 @@ def measure(torch, fn, data, ref, args, dev):
         return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
     return {
-        "ms": round(statistics.median(times), 3),
+        "ms": round(timing.median, 3),
         "extra_mib": None if extra is None else round(extra, 1),
         "err_loss": rel(loss, ref["loss"]),
         "err_dh": rel(hidden.grad, ref["dh"]),

@@ -14,17 +14,18 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fused_ce_patch import fused_linear_cross_entropy  # noqa: E402
 from fused_ce_patch.backends import triton as tb  # noqa: E402
 from fused_ce_patch.backends.base import LossSpec  # noqa: E402
 from fused_ce_patch.backends.triton import chunked_path, launch  # noqa: E402
+from timing import time_ms  # noqa: E402  (the timer of every benchmark)
 
 MiB = 2**20
 SHAPES = {
@@ -35,18 +36,7 @@ SHAPES = {
 
 
 def bench(fn, iters=10, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    return time_ms(fn, iters=iters, warmup=warmup, device="cuda").median
 
 
 def inputs(n, h, v):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import traceback
 
@@ -120,7 +119,7 @@ def main():
 
 
 def run(torch, loss, hidden, weight, iters, dev, ref):
-    from gpu_e2e import timed_steps
+    from timing import time_ms
 
     from fused_ce_patch.numerics import relative_error
 
@@ -132,11 +131,10 @@ def run(torch, loss, hidden, weight, iters, dev, ref):
 
     out = step()  # warm-up (compiles)
     result = (out.detach().float(), hidden.grad.float(), weight.grad.float())
-    cuda = dev == "cuda"
-    times, _ = timed_steps(torch, step, iters, cuda)
+    times = time_ms(step, iters=iters, device=dev)
     with torch.no_grad():
-        fwd_times, _ = timed_steps(torch, loss, iters, cuda)
-    row = {"ms": statistics.median(times), "fwd_ms": statistics.median(fwd_times)}
+        fwd_times = time_ms(loss, iters=iters, device=dev)
+    row = {"ms": times.median, "fwd_ms": fwd_times.median}
     if ref is None:
         row["_result"] = result
     else:

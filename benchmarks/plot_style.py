@@ -20,6 +20,8 @@ STYLE = {
     "torch-naive": ("PyTorch (materialised logits)", "#8c8c8c"),
     "naive": ("PyTorch (materialised logits)", "#8c8c8c"),  # the CPU benchmark's name
     "torch-compile": ("PyTorch + torch.compile", "#4d4d4d"),
+    "torch-lce": ("PyTorch F.linear_cross_entropy (chunked)", "#ff7f0e"),
+    "torch-lce-1024": ("PyTorch F.linear_cross_entropy (1024-row chunks)", "#ffbb78"),
     "cublas-3gemm": ("3 cuBLAS GEMMs (lower bound)", "#c7c7c7"),
     # peers
     "liger": ("Liger Kernel FLCE", "#d62728"),
