@@ -242,6 +242,8 @@ def _stock_loss():
 def functorch_active() -> bool:
     """Whether a functorch transform (``torch.func.grad``, ``vmap``, ...) is running: the
     package's ``autograd.Function``s do not support them, so the stock computation runs."""
+    if torch.compiler.is_compiling():  # Dynamo's own tracing shows an interpreter here
+        return False
     functorch = getattr(torch._C, "_functorch", None)
     peek = getattr(functorch, "peek_interpreter_stack", None)
     return peek is not None and peek() is not None
@@ -257,21 +259,45 @@ def _defined_in(fn, module_name: str, qualname: str) -> bool:
             and code.co_filename == getattr(module, "__file__", None))
 
 
+_ORIGINALS: dict = {}
+
+
+def capture_originals() -> None:
+    """Record transformers' ``fixed_cross_entropy`` and torch's ``F.cross_entropy`` as found, if
+    they are the originals (by origin, :func:`_defined_in`), and the proven ``ForCausalLMLoss``.
+
+    Called eagerly when a patch is applied: reading a function's code object is not something
+    ``torch.compile`` traces, so the per-call check (:func:`stock_cross_entropy_refusal`) is by
+    identity against what was recorded here. A function already replaced then is recorded as
+    not found, and every call takes the stock computation."""
+    if _ORIGINALS:
+        return
+    import torch.nn.functional as F
+
+    loss_utils = _loss_utils()
+    proven_causal_lm_loss()
+    fixed = loss_utils.fixed_cross_entropy
+    _ORIGINALS["fixed_cross_entropy"] = (
+        fixed if _defined_in(fixed, loss_utils.__name__, "fixed_cross_entropy") else _NOT_FOUND)
+    _ORIGINALS["cross_entropy"] = (
+        F.cross_entropy if _defined_in(F.cross_entropy, F.__name__, "cross_entropy")
+        else _NOT_FOUND)
+
+
 def stock_cross_entropy_refusal() -> str | None:
     """Why transformers' causal-LM loss would not compute what the fused loss does now (a
     replaced ``ForCausalLMLoss``, ``fixed_cross_entropy`` or ``F.cross_entropy`` — Liger's
     ``cross_entropy=True`` replaces the last), or None."""
     import torch.nn.functional as F
 
+    capture_originals()
     loss_utils = _loss_utils()
     if proven_causal_lm_loss() is _NOT_FOUND:
         return "transformers' ForCausalLMLoss was replaced"
-    if not _defined_in(loss_utils.fixed_cross_entropy, loss_utils.__name__,
-                       "fixed_cross_entropy"):
-        return (f"transformers' fixed_cross_entropy was replaced by "
-                f"{_describe(loss_utils.fixed_cross_entropy)}")
-    if not _defined_in(F.cross_entropy, F.__name__, "cross_entropy"):
-        return f"torch.nn.functional.cross_entropy was replaced by {_describe(F.cross_entropy)}"
+    if loss_utils.fixed_cross_entropy is not _ORIGINALS["fixed_cross_entropy"]:
+        return "transformers' fixed_cross_entropy (what ForCausalLMLoss calls) was replaced"
+    if F.cross_entropy is not _ORIGINALS["cross_entropy"]:
+        return "torch.nn.functional.cross_entropy was replaced"
     return None
 
 

@@ -311,6 +311,7 @@ def apply_fused_ce(
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_fused_ce needs a torch.nn.Module, got {type(model).__name__}")
     options = make_options(backend, logits_budget, return_logits)
+    loss_mapping.capture_originals()  # eagerly: the per-call check is then by identity
     target = unwrap_causal_lm(model)
     if not (hasattr(target, "config") and hasattr(target, "get_output_embeddings")):
         raise UnsupportedModelError(
@@ -568,6 +569,7 @@ def apply_fused_ce_to_class(
     if not isinstance(cls, type):
         raise TypeError(f"apply_fused_ce_to_class needs a class, got {type(cls).__name__} {cls!r}")
     options = make_options(backend, logits_budget, return_logits)
+    loss_mapping.capture_originals()
     spec = spec_for_class(cls)
     owner = next(k for k in cls.__mro__ if "forward" in k.__dict__)
     current = owner.__dict__["forward"]

@@ -136,14 +136,22 @@ def test_dora_on_lm_head_is_refused_at_apply_time():
     assert not is_fused_ce_applied(model)
 
 
-def test_dora_added_after_apply_is_refused_at_call_time():
+def test_dora_added_after_apply_takes_the_stock_computation(spy):
+    """DoRA on the head is known only at call time: that call computes as stock (real logits,
+    one warning), never a loss without the adapter."""
     base = build_model("llama")
     apply_fused_ce(base)
-    model = get_peft_model(base, LoraConfig(r=4, target_modules=["lm_head"], use_dora=True))
-    with pytest.raises(UnsupportedModelError, match="DoRA|variant"):
-        model(**batch())
-    model.eval()  # the stock path still works
-    assert isinstance(model(**batch()).logits, torch.Tensor)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["lm_head"], use_dora=True,
+                                            init_lora_weights=False))
+    ref = reference_copy(model)
+    with pytest.warns(RuntimeWarning, match="DoRA|variant"):
+        out = model(**batch())
+    want = ref(**batch())
+    assert spy.count == 0 and isinstance(out.logits, torch.Tensor)
+    assert_close_rel(out.loss, want.loss, LOSS_RTOL, "loss")
+    out.loss.backward()
+    want.loss.backward()
+    assert_grads_close(model, ref)
 
 
 def test_revert_through_peft_wrapper():
