@@ -27,10 +27,14 @@ model is the reference"):
 - for an instance patch, the class's ``forward`` is still the one the instance was patched
   against (a class forward wrapped or replaced later runs as stock);
 - a logit-transform operand that requires grad (a trainable ``logit_scale``) gets its exact
-  gradient: multipliers and divisors are folded into the hidden states as tensors, a softcap
-  materialises the logits (stock computation from the head call on).
+  gradient: multipliers and divisors are folded into the hidden states as tensors;
+- what only the call shows — a trainable or non-positive softcap, a non-scalar or zero
+  operand, a head hooked or replaced after the patch, labels other than int64, a
+  ``vocab_size`` other than the head's, mixed dtypes, an odd ``num_items_in_batch``, a functorch
+  transform — makes the call materialise the logits (:func:`materialize`: the stock
+  computation from the head call on, the decoder not run twice; :func:`_loss_refusal`).
 
-Otherwise the call runs the stock forward, with one warning naming the reason.
+Otherwise the call runs the stock forward, with one warning per class and reason.
 ``skip_logits`` (the Trainer/TRL/Liger convention) overrides the mode test: ``True`` takes the
 fused path whenever labels are given, ``False`` never. Source: transformers ``ForCausalLMLoss``
 (``loss/loss_utils.py``, 5.17, 5.24) for the loss semantics; Liger Kernel ``lce_forward`` for
