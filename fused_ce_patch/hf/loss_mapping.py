@@ -476,8 +476,10 @@ _MAPPING_LOCK = threading.Lock()
 _MAPPING_SAVED: list = []
 
 
-def ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,  # noqa: N802
-                    shift_labels=None, **kwargs):
+def ForCausalLMLoss(  # noqa: N802 - named like the function it stands for
+    logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+    **kwargs,
+):
     """transformers' ``ForCausalLMLoss`` as :func:`chunked_causal_lm_loss` computes it.
 
     What :func:`apply_fused_ce_to_loss_mapping` puts in ``LOSS_MAPPING`` and in place of the

@@ -131,8 +131,8 @@ class FusedCEArgumentsMixin:
     # transformers (and TRL, for its configs) does, with or without fused_ce_patch; copies
     # within the process keep the class and the flag.
     def __reduce_ex__(self, protocol):
-        base = next(k for k in type(self).__mro__
-                    if issubclass(k, TrainingArguments) and not issubclass(k, FusedCEArgumentsMixin))
+        base = next(k for k in type(self).__mro__ if issubclass(k, TrainingArguments)
+                    and not issubclass(k, FusedCEArgumentsMixin))
         state = {k: v for k, v in self.__dict__.items() if k not in _FLAG_FIELDS}
         return copyreg._reconstructor, (base, object, None), state
 
