@@ -229,6 +229,8 @@ def _make_routed_chunked_ce(original):
     return routed
 
 
+_ABSENT = object()
+
 _TARGETS = (
     ("trl.trainer.utils", "_ChunkedLogProbFunction", _RoutedChunkedLogProb),
     ("trl.trainer.sft_trainer", "_chunked_cross_entropy_loss", _make_routed_chunked_ce),
@@ -243,9 +245,12 @@ def install() -> None:
         module = sys.modules.get(module_name)
         if module is None or (module_name, attr) in _ORIGINALS:
             continue
-        original = getattr(module, attr, None)
-        if original is None:
+        original = getattr(module, attr, _ABSENT)
+        if original is _ABSENT or (original is None and make is not _RoutedChunkedLogProb):
             continue
+        # trl >= 1.15 sets _ChunkedLogProbFunction = None where Triton is not importable, and
+        # its head then fails; the router computes patched models' calls and hands the others
+        # to that None exactly as TRL would (the same AttributeError).
         _ORIGINALS[(module_name, attr)] = original
         setattr(module, attr, make(original))
     if _ORIGINALS:
@@ -257,9 +262,9 @@ def release() -> None:
 
     Safe to re-enter (a finalizer may run it while another call is in progress)."""
     for key in list(_ORIGINALS):
-        original = _ORIGINALS.pop(key, None)
+        original = _ORIGINALS.pop(key, _ABSENT)
         module = sys.modules.get(key[0])
-        if original is not None and module is not None:
+        if original is not _ABSENT and module is not None:
             setattr(module, key[1], original)
 
 
