@@ -50,6 +50,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import time_ms  # noqa: E402  (the timer of every benchmark)
 
+from fused_ce_patch.demo.memory import current_rss, peak_rss, reset_peak  # noqa: E402
+
 FULL = dict(n=4096, h=1024, v=128256)
 QUICK = dict(n=512, h=256, v=8192)
 IMPLS = ("naive", "torch")
@@ -57,23 +59,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 # -- worker (runs in its own process) ---------------------------------------------------------
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # 5 resets VmHWM to the current RSS
-        return True
-    except OSError:
-        return False
 
 
 def _inputs(n, h, v, seed, requires_grad=True):
@@ -140,8 +125,8 @@ def worker(args):
     step(hidden, weight, labels)  # warm-up: thread pools, oneDNN/MKL primitives
     hidden.grad = weight.grad = None
     gc.collect()
-    exact = _reset_peak()
-    base = _status_kib("VmRSS")
+    exact = reset_peak()
+    base = current_rss()
     losses = []
 
     def reset():
@@ -152,14 +137,14 @@ def worker(args):
     loss = losses[-1]
     times = [ms / 1e3 for ms in timing.ms]
     cpu_times = [ms / 1e3 / args.threads for ms in timing.cpu_ms]
-    peak = _status_kib("VmHWM")
+    peak = peak_rss()
     grads_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
     result = {
         "impl": args.worker,
         "times_s": times,
         "cpu_times_s": cpu_times,
-        "peak_extra_bytes": (peak - base) * 1024,
-        "baseline_rss_bytes": base * 1024,
+        "peak_extra_bytes": peak - base,
+        "baseline_rss_bytes": base,
         "grads_bytes": grads_bytes,
         "peak_reset_exact": exact,
         "loss": float(loss),

@@ -53,7 +53,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_chunked import _reset_peak, _status_kib  # noqa: E402  (peak-RSS probes)
+from fused_ce_patch.demo.memory import current_rss, peak_rss, reset_peak  # noqa: E402
 from timing import time_ms  # noqa: E402  (the timer of every benchmark)
 
 #: (N, H, V): SmolLM-135M-like H=576 / V=49152, Llama-2-like V=32000, sized for 2 CPU cores
@@ -135,16 +135,16 @@ def worker(args):
     step()  # warm-up: thread pools, oneDNN primitives
     reset()
     gc.collect()
-    exact = _reset_peak()
-    base = _status_kib("VmRSS")
+    exact = reset_peak()
+    base = current_rss()
     timing = time_ms(step, iters=args.repeat, reset=reset)
-    peak = _status_kib("VmHWM")
+    peak = peak_rss()
     result = {
         "impl": args.worker, "n": args.n, "h": args.h, "v": args.v, "dtype": args.dtype,
         "ms": timing.median, "ms_all": timing.ms,
         "cpu_ms": sorted(timing.cpu_ms)[len(timing.cpu_ms) // 2] / args.threads,
         "cpu_ms_all": timing.cpu_ms,
-        "peak_extra_bytes": (peak - base) * 1024, "baseline_rss_bytes": base * 1024,
+        "peak_extra_bytes": peak - base, "baseline_rss_bytes": base,
         "peak_reset_exact": exact,
         "grads_bytes": (hidden.numel() + weight.numel()) * hidden.element_size(),
         "loss": losses[-1],

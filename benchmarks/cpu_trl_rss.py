@@ -53,6 +53,8 @@ import sys
 import time
 from pathlib import Path
 
+from fused_ce_patch.demo.memory import current_rss, peak_rss, reset_peak  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 H, V = 576, 49152
@@ -66,19 +68,6 @@ MiB = 2**20
 
 
 # -- worker (its own process) ----------------------------------------------------------------
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
 
 
 def _step_fn(impl: str, outputs, weighted: bool, n: int):
@@ -159,16 +148,17 @@ def worker(impl: str, shape: str) -> dict:
     step = _step_fn(impl, outputs, weighted, n)
     step(hidden, weight, labels)  # warm-up
     hidden.grad = weight.grad = None
-    _reset_peak()
-    base = _status_kib("VmRSS")
+    if not reset_peak():
+        raise RuntimeError("this kernel cannot reset the peak-RSS mark (/proc/self/clear_refs)")
+    base = current_rss()
     c0, t0 = time.process_time(), time.perf_counter()
     step(hidden, weight, labels)
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-    peak = _status_kib("VmHWM")
+    peak = peak_rss()
     import fused_ce_patch
 
     return {"impl": impl, "shape": shape, "N": n, "H": H, "V": V,
-            "peak_extra_mib": (peak - base) / 1024, "wall_s": wall,
+            "peak_extra_mib": (peak - base) / MiB, "wall_s": wall,
             "cpu_s_per_thread": cpu / torch.get_num_threads(),
             "grads_mib": (hidden.numel() + weight.numel()) * 4 / MiB,
             "fused_ce_patch_from": str(Path(fused_ce_patch.__file__).parent.parent)}

@@ -41,29 +41,14 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import time_ms  # noqa: E402  (the timer of every benchmark)
 
+from fused_ce_patch.demo.memory import current_rss, peak_rss, reset_peak  # noqa: E402
+
 SIZE = dict(n=2048, h=256, v=32768)
 WORLD = 2
 #: (name, logits_budget); None for stock and for the fused loss's default budget
 CONFIGS = (("stock", None), ("fused 1 MiB", 2**20), ("fused 8 MiB", 8 * 2**20),
            ("fused 64 MiB", 64 * 2**20), ("fused default", None))
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        return True
-    except OSError:
-        return False
 
 
 def _rank(rank, config, size, init, out):
@@ -115,14 +100,14 @@ def _rank(rank, config, size, init, out):
     step()  # warm-up
     hidden.grad = param.grad = None
     gc.collect()
-    exact = _reset_peak()
-    base = _status_kib("VmRSS")
+    exact = reset_peak()
+    base = current_rss()
     losses = []
     timing = time_ms(lambda: losses.append(step()), iters=1)
     loss, elapsed = losses[0], timing.ms[0] / 1e3
-    peak = _status_kib("VmHWM")
+    peak = peak_rss()
     result = {"config": name, "budget": budget, "rank": rank, "time_s": elapsed,
-              "peak_extra_bytes": (peak - base) * 1024, "peak_reset_exact": exact,
+              "peak_extra_bytes": peak - base, "peak_reset_exact": exact,
               "loss": loss.item(), "shard": stop - start,
               "grads_bytes": (n * h + (stop - start) * h) * 4}
     Path(out, f"{rank}.json").write_text(json.dumps(result))
