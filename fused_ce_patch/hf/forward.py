@@ -269,24 +269,26 @@ def _skipped(value, optional) -> bool:
     return False
 
 
-def _odd_operand(kind: str, value) -> str | None:
-    """Why the fused loss cannot take this transform operand as a scalar, or None."""
+def _operand(kind: str, value):
+    """``(operand, None)`` as the fused loss takes it — a float, or the 0-d tensor itself when
+    it requires grad (folded into the hidden states) — or ``(None, reason)`` when the fused
+    loss cannot take it (one host read of a tensor operand at most)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            return f"its logit {kind} operand has shape {tuple(value.shape)}, not a scalar"
-        if value.requires_grad and torch.is_grad_enabled() and kind == "softcap":
-            return "its final-logit softcap requires grad"
+            return None, f"its logit {kind} operand has shape {tuple(value.shape)}, not a scalar"
         if value.requires_grad and torch.is_grad_enabled():
-            return None  # folded into the hidden states as a tensor
+            if kind == "softcap":
+                return None, "its final-logit softcap requires grad"
+            return value.reshape(()), None
         value = value.item()
     try:
         value = float(value)
     except (TypeError, ValueError):
-        return f"its logit {kind} operand {value!r} is not a number"
+        return None, f"its logit {kind} operand {value!r} is not a number"
     if not math.isfinite(value) or (kind == "softcap" and value <= 0) or (
             kind == "div" and value == 0):
-        return f"its logit {kind} operand is {value}"
-    return None
+        return None, f"its logit {kind} operand is {value}"
+    return value, None
 
 
 def _transform(logits, kind: str, value, optional):
@@ -300,24 +302,18 @@ def _transform(logits, kind: str, value, optional):
         return logits
     if kind == "float":
         return logits
-    odd = _odd_operand(kind, value)
+    operand, odd = _operand(kind, value)
     if odd is None and logits.softcap is not None and kind != "softcap":
         odd = "a logit scale follows its softcap"
     if odd is not None:
         materialize(logits, odd)
         return logits
-    if isinstance(value, torch.Tensor):
-        if value.requires_grad and torch.is_grad_enabled():
-            # (s h) W^T + s b = s (h W^T + b): autograd gives s its exact gradient
-            factor = value.reshape(()) if kind == "mul" else 1.0 / value.reshape(())
-            logits.scale = factor if logits.scale is None else logits.scale * factor
-            return logits
-        value = value.item()
-    value = float(value)
     if kind == "softcap":
-        logits.softcap = value
+        logits.softcap = operand
         return logits
-    factor = value if kind == "mul" else 1.0 / value
+    # a tensor operand (requires grad): (s h) W^T + s b = s (h W^T + b), autograd gives s its
+    # exact gradient
+    factor = operand if kind == "mul" else 1.0 / operand
     logits.scale = factor if logits.scale is None else logits.scale * factor
     return logits
 
