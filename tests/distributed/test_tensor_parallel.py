@@ -124,19 +124,6 @@ def test_no_tokens_by_vocab_tensor_under_a_small_budget(results):
 # -- single process: what the layout recognition accepts and refuses --------------------------
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 def _tp_head(style_name):
     from torch import nn

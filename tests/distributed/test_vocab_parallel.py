@@ -199,19 +199,6 @@ def test_no_rank_allocates_tokens_times_shard(results2):
 # -- single process ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 def _small(dtype=torch.float64):
     g = torch.Generator().manual_seed(3)
