@@ -166,3 +166,20 @@ class LogitsLossSpy:
                 return fn_cls.apply(*args)
 
         self.cls = Counting
+
+
+def compare_with_stock(model, ref, kw, fused, spy):
+    """Run the unpatched ``ref`` then ``model`` on ``kw``; check which path ``model`` took (the
+    fused kernel once and the sentinel as logits, or neither), then loss and every gradient."""
+    from fused_ce_patch.hf.sentinel import NotMaterializedLogits
+
+    want = ref(**kw)
+    assert spy.count == 0
+    got = model(**kw)
+    assert spy.count == (1 if fused else 0)
+    assert isinstance(got.logits, NotMaterializedLogits) is fused
+    assert_close_rel(got.loss, want.loss, LOSS_RTOL, "loss")
+    got.loss.backward()
+    want.loss.backward()
+    assert_grads_close(model, ref)
+    return got, want

@@ -21,14 +21,13 @@ from torch import nn
 
 from fused_ce_patch import apply_fused_ce, is_fused_ce_applied, revert_fused_ce
 from fused_ce_patch.errors import UnsupportedModelError
-from fused_ce_patch.hf.sentinel import NotMaterializedLogits
 
 from hf_helpers import (
     LOSS_RTOL,
     assert_close_rel,
-    assert_grads_close,
     batch,
     build_model,
+    compare_with_stock,
     reference_copy,
 )
 
@@ -55,19 +54,6 @@ def _doubling(fn):
     return forward
 
 
-def _compare(model, ref, kw, fused, spy):
-    want = ref(**kw)
-    assert spy.count == 0
-    got = model(**kw)
-    assert spy.count == (1 if fused else 0)
-    assert isinstance(got.logits, NotMaterializedLogits) is fused
-    assert_close_rel(got.loss, want.loss, LOSS_RTOL, "loss")
-    got.loss.backward()
-    want.loss.backward()
-    assert_grads_close(model, ref)
-    return got, want
-
-
 # -- wrappers around the class forward --------------------------------------------------------
 
 
@@ -77,7 +63,7 @@ def test_functools_wrapper_before_patch_runs_around_the_fused_forward(spy,
     model = build_model("llama")
     ref = reference_copy(model)
     apply_fused_ce(model)
-    got, want = _compare(model, ref, batch(), True, spy)
+    got, want = compare_with_stock(model, ref, batch(), True, spy)
     # the wrapper ran on both paths: the loss is twice the unwrapped forward's
     plain = LLAMA.forward.__wrapped__(reference_copy(ref), **batch()).loss
     assert_close_rel(got.loss, 2 * plain, LOSS_RTOL, "doubled")
@@ -90,7 +76,7 @@ def test_functools_wrapper_on_the_class_after_an_instance_patch_runs_as_stock(
     apply_fused_ce(model)
     LLAMA.forward = _doubling(LLAMA.forward)
     with pytest.warns(RuntimeWarning, match="class's forward changed"):
-        _compare(model, ref, batch(), False, spy)
+        compare_with_stock(model, ref, batch(), False, spy)
     # also in evaluation: the stock path is the class's forward as it is now
     model.eval(), ref.eval()
     with torch.no_grad():
@@ -100,7 +86,7 @@ def test_functools_wrapper_on_the_class_after_an_instance_patch_runs_as_stock(
     model.train(), ref.train()
     model.zero_grad(), ref.zero_grad()
     spy.calls.clear()
-    _compare(model, ref, batch(), True, spy)
+    compare_with_stock(model, ref, batch(), True, spy)
 
 
 def test_wrapper_without_wraps_is_refused(restore_llama_forward):
@@ -137,7 +123,7 @@ def test_instance_wrapper_after_the_patch_wraps_the_fused_forward(spy):
     apply_fused_ce(model)
     model.forward = _doubling(model.forward.__func__).__get__(model)
     ref.forward = _doubling(type(ref).forward).__get__(ref)
-    _compare(model, ref, batch(), True, spy)
+    compare_with_stock(model, ref, batch(), True, spy)
     assert is_fused_ce_applied(model)
 
 
@@ -170,7 +156,7 @@ def test_module_global_replaced_after_the_patch_is_seen(spy, monkeypatch):
     b = batch()
     b["input_ids"] = b["input_ids"] % config.vocab_size
     b["labels"] = torch.where(b["labels"] >= 0, b["labels"] % config.vocab_size, -100)
-    got, want = _compare(model, ref, b, True, spy)
+    got, want = compare_with_stock(model, ref, b, True, spy)
     assert want.aux_loss is not None and got.aux_loss.item() == pytest.approx(
         want.aux_loss.item(), rel=1e-6)
 
@@ -203,7 +189,7 @@ def test_replaced_causal_lm_loss_is_what_the_patched_model_computes(where, spy):
             if where == "loss_utils_and_mapping":
                 loss_utils.ForCausalLMLoss = new
         with pytest.warns(RuntimeWarning, match="loss function in force"):
-            _compare(model, ref, batch(), False, spy)
+            compare_with_stock(model, ref, batch(), False, spy)
         model.eval(), ref.eval()  # evaluation: the patch's logits loss steps aside too
         with torch.no_grad():
             assert_close_rel(model(**batch()).loss, ref(**batch()).loss, 1e-6, "eval")
@@ -218,7 +204,7 @@ def test_replaced_causal_lm_loss_is_what_the_patched_model_computes(where, spy):
     if where != "instance":
         ref = reference_copy(model)
         revert_fused_ce(ref)
-        _compare(model, ref, batch(), True, spy)
+        compare_with_stock(model, ref, batch(), True, spy)
 
 
 # -- operands of the logit transform ------------------------------------------------------------
@@ -236,7 +222,7 @@ def test_trainable_logit_scale_gets_its_gradient(spy):
     vocab = model.config.vocab_size
     b["input_ids"] = b["input_ids"] % vocab
     b["labels"] = torch.where(b["labels"] >= 0, b["labels"] % vocab, -100)
-    _compare(model, ref, b, True, spy)
+    compare_with_stock(model, ref, b, True, spy)
     assert ref.logit_scale.grad is not None and ref.logit_scale.grad.abs() > 0
     assert_close_rel(model.logit_scale.grad, ref.logit_scale.grad, 1e-4, "logit_scale.grad")
 
@@ -250,13 +236,7 @@ def test_trainable_softcap_takes_the_stock_computation(spy):
         m.config.__dict__["final_logit_softcapping"] = nn.Parameter(torch.tensor(30.0))
     apply_fused_ce(model)
     with pytest.warns(RuntimeWarning, match="softcap requires grad"):
-        got = model(**batch())
-    want = ref(**batch())
-    assert spy.count == 0 and isinstance(got.logits, torch.Tensor)
-    assert_close_rel(got.loss, want.loss, LOSS_RTOL, "loss")
-    got.loss.backward()
-    want.loss.backward()
-    assert_grads_close(model, ref)
+        compare_with_stock(model, ref, batch(), False, spy)
     assert_close_rel(model.config.final_logit_softcapping.grad,
                      ref.config.final_logit_softcapping.grad, 1e-4, "softcap grad")
 
@@ -359,7 +339,7 @@ def test_peft_lora_model_with_a_class_wrapper(spy, restore_llama_forward):
     model = get_peft_model(build_model("llama"), cfg)
     ref = reference_copy(model)
     apply_fused_ce(model)
-    _compare(model, ref, batch(), True, spy)
+    compare_with_stock(model, ref, batch(), True, spy)
 
 
 def test_accelerate_prepared_model_with_a_class_wrapper(spy, restore_llama_forward):
@@ -370,7 +350,7 @@ def test_accelerate_prepared_model_with_a_class_wrapper(spy, restore_llama_forwa
     ref = reference_copy(model)
     model = Accelerator(cpu=True).prepare(model)
     apply_fused_ce(model)
-    _compare(model, ref, batch(), True, spy)
+    compare_with_stock(model, ref, batch(), True, spy)
 
 
 def test_deepcopy_after_a_class_change_runs_the_live_class(spy, restore_llama_forward):
@@ -381,8 +361,8 @@ def test_deepcopy_after_a_class_change_runs_the_live_class(spy, restore_llama_fo
     clone = copy.deepcopy(model)
     assert is_fused_ce_applied(clone)
     with pytest.warns(RuntimeWarning, match="class's forward changed"):
-        _compare(clone, ref, batch(), False, spy)
+        compare_with_stock(clone, ref, batch(), False, spy)
     apply_fused_ce(clone)  # re-derived from the wrapped forward: fused, wrapper included
     clone.zero_grad(), ref.zero_grad()
     spy.calls.clear()
-    _compare(clone, ref, batch(), True, spy)
+    compare_with_stock(clone, ref, batch(), True, spy)

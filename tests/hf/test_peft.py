@@ -17,6 +17,7 @@ from hf_helpers import (  # noqa: E402
     assert_grads_close,
     batch,
     build_model,
+    compare_with_stock,
     reference_copy,
 )
 
@@ -145,13 +146,7 @@ def test_dora_added_after_apply_takes_the_stock_computation(spy):
                                             init_lora_weights=False))
     ref = reference_copy(model)
     with pytest.warns(RuntimeWarning, match="DoRA|variant"):
-        out = model(**batch())
-    want = ref(**batch())
-    assert spy.count == 0 and isinstance(out.logits, torch.Tensor)
-    assert_close_rel(out.loss, want.loss, LOSS_RTOL, "loss")
-    out.loss.backward()
-    want.loss.backward()
-    assert_grads_close(model, ref)
+        compare_with_stock(model, ref, batch(), False, spy)
 
 
 def test_revert_through_peft_wrapper():
