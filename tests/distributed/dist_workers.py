@@ -367,5 +367,8 @@ def worker(rank, world, init_file, modes, out_dir):
             finally:
                 os.environ.clear()
                 os.environ.update(env)
+        dist.barrier()
+        with open(os.path.join(out_dir, f"rank{rank}.done"), "w"):
+            pass  # the test's spawn reads these: every mode of every rank finished
     finally:
         dist.destroy_process_group()

@@ -38,7 +38,19 @@ def spawn(tmp_path_factory, modes):
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(w.worker, args=(w.WORLD, str(out / "init"), modes, str(out)), nprocs=w.WORLD)
+    try:
+        mp.spawn(w.worker, args=(w.WORLD, str(out / "init"), modes, str(out)), nprocs=w.WORLD)
+    except mp.ProcessExitedException as exc:
+        # A rank killed by a signal after every rank passed the last barrier (all results are
+        # written) died in interpreter teardown: seen once on CI as SIGABRT "terminate called
+        # without an active exception" after the DeepSpeed modes (a C++ thread of gloo or of
+        # DeepSpeed's shm op destroyed unjoined). That is not under test; a crash before the
+        # barrier still fails here.
+        if not all((out / f"rank{r}.done").exists() for r in range(w.WORLD)):
+            raise
+        import warnings
+
+        warnings.warn(f"a worker crashed in teardown after finishing: {exc}", RuntimeWarning)
     return out
 
 
