@@ -127,6 +127,32 @@ def test_patched_model_compiles_without_graph_break(monkeypatch):
     assert explained.graph_count == 1 and spy.calls >= 1
 
 
+def test_patched_step_imports_nothing_from_transformers(monkeypatch):
+    """Under torch 2.11's Dynamo an import statement that yields ``transformers`` (a lazy
+    module subclass) is a graph break ("Bad import result"): two per compiled step on the H200
+    (2026-12-02) while 2.13 traces it, so the CPU graph test above cannot see it. The patched
+    training step (forward and backward) must run no such import."""
+    import builtins
+    import sys
+
+    ids, labels = _batch()
+    model = apply_fused_ce(_tiny_llama(), backend="torch")
+    model(input_ids=ids, labels=labels).loss.backward()  # first call: eager set-up may import
+    ours = []
+    real_import = builtins.__import__
+
+    def watched(name, globals=None, locals=None, fromlist=(), level=0):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith("fused_ce_patch") and (level or name.startswith("transformers")):
+            ours.append((caller, name, level))
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", watched)
+    model(input_ids=ids, labels=labels).loss.backward()
+    monkeypatch.undo()
+    assert ours == []
+
+
 def test_trainer_torch_compile(monkeypatch, tmp_path):
     from transformers import Trainer
 

@@ -54,6 +54,8 @@ import warnings
 import torch
 
 from .architectures import DEFER, DONE, LOSS, TRANSFORM, ArchSpec
+from ..errors import UnsupportedModelError
+from .head import check_head
 from .head import fused_head_loss as _head_loss
 from .head import head_operands
 from .loss_mapping import functorch_active, fused_loss_refusal
@@ -339,9 +341,6 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
     mixed outside autocast, and functorch transforms (``torch.func.grad``, ``vmap``), which
     the fused ``autograd.Function`` does not support.
     """
-    from ..errors import UnsupportedModelError
-    from .head import check_head
-
     try:
         check_head(logits.head)
     except UnsupportedModelError as exc:

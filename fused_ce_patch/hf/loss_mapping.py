@@ -198,10 +198,18 @@ def _chunkable(logits, target, vocab_size, ignore_index) -> bool:
 # -- routing: which models use the chunked loss -------------------------------------------
 
 
-def _loss_utils():
-    import transformers.loss.loss_utils as loss_utils
+_LOSS_UTILS: list = []
 
-    return loss_utils
+
+def _loss_utils():
+    """transformers' ``loss/loss_utils.py`` module, imported once: an import statement in the
+    per-call path is a graph break under torch 2.11's Dynamo (``transformers`` is a lazy module
+    subclass, "Bad import result"; seen on the H200 in a compiled step)."""
+    if not _LOSS_UTILS:
+        import transformers.loss.loss_utils as loss_utils
+
+        _LOSS_UTILS.append(loss_utils)
+    return _LOSS_UTILS[0]
 
 
 def original_causal_lm_loss():
@@ -272,8 +280,6 @@ def capture_originals() -> None:
     not found, and every call takes the stock computation."""
     if _ORIGINALS:
         return
-    import torch.nn.functional as F
-
     loss_utils = _loss_utils()
     proven_causal_lm_loss()
     fixed = loss_utils.fixed_cross_entropy
@@ -288,8 +294,6 @@ def stock_cross_entropy_refusal() -> str | None:
     """Why transformers' causal-LM loss would not compute what the fused loss does now (a
     replaced ``ForCausalLMLoss``, ``fixed_cross_entropy`` or ``F.cross_entropy`` — Liger's
     ``cross_entropy=True`` replaces the last), or None."""
-    import torch.nn.functional as F
-
     capture_originals()
     loss_utils = _loss_utils()
     if proven_causal_lm_loss() is _NOT_FOUND:
