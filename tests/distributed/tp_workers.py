@@ -36,7 +36,7 @@ FSDP_MODES = ("fsdp_stock", "fsdp_fused")
 #: which accelerate must refuse (the day it accepts CPU processes, the lift can go).
 TRAINER_MODES = ("trainer_stock", "trainer_fused", "trainer_fused_pre", "trainer_unlifted")
 #: Optimizer steps, micro-batches per step (gradient accumulation) and rows per micro-batch.
-TRAINER_STEPS, TRAINER_ACCUM, TRAINER_MICRO = 3, 2, 2
+TRAINER_STEPS, TRAINER_ACCUM, TRAINER_MICRO = 4, 2, 2
 TRAINER_LR = 2.0
 
 
@@ -86,7 +86,9 @@ def trainer_rows():
     """The training set: ``TRAINER_STEPS * TRAINER_ACCUM * TRAINER_MICRO`` rows of ``SEQ``
     tokens with ignored labels (a prefix and some tails of random length), so the micro-batches
     of a step count different numbers of tokens and ``num_items_in_batch`` changes the loss;
-    the second micro-batch of the second step counts none (it adds nothing, as in stock)."""
+    the second micro-batch of the second step counts none (it adds nothing), and the last step
+    counts none at all (``num_items_in_batch`` 0: stock's loss is 0 / 0 = NaN, its gradients
+    0)."""
     g = torch.Generator().manual_seed(7)
     rows = []
     for i in range(TRAINER_STEPS * TRAINER_ACCUM * TRAINER_MICRO):
@@ -96,7 +98,8 @@ def trainer_rows():
         labels[:prefix] = -100
         if i % 3 == 0:
             labels[SEQ - tail:] = -100
-        if i // TRAINER_MICRO == TRAINER_ACCUM + 1:
+        micro, step = i // TRAINER_MICRO, i // (TRAINER_MICRO * TRAINER_ACCUM)
+        if micro == TRAINER_ACCUM + 1 or step == TRAINER_STEPS - 1:
             labels[:] = -100
         rows.append({"input_ids": ids, "labels": labels})
     return rows
@@ -104,7 +107,8 @@ def trainer_rows():
 
 def trainer_arguments(out_dir, fused: bool):
     """Trainer arguments: SGD, constant learning rate, no clipping, rows in order, a log entry
-    (the unrounded mean loss of the step) every step. ``fused``: the flag's arguments."""
+    (the unrounded mean loss of the step, NaN kept as NaN) every step. ``fused``: the flag's
+    arguments."""
     from transformers import TrainingArguments
 
     from fused_ce_patch import FusedCETrainingArguments
@@ -115,7 +119,8 @@ def trainer_arguments(out_dir, fused: bool):
         output_dir=out_dir, per_device_train_batch_size=TRAINER_MICRO,
         gradient_accumulation_steps=TRAINER_ACCUM, max_steps=TRAINER_STEPS,
         learning_rate=TRAINER_LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
-        max_grad_norm=0.0, train_sampling_strategy="sequential", logging_steps=1, report_to=[],
+        max_grad_norm=0.0, train_sampling_strategy="sequential", logging_steps=1,
+        logging_nan_inf_filter=False, report_to=[],
         save_strategy="no", seed=0, dataloader_num_workers=0, use_cpu=True, **extra,
     )
 
