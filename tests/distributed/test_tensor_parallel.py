@@ -26,6 +26,7 @@ process is never changed."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -150,12 +151,15 @@ def one_process_trainer(tmp_path_factory):
     model = dw.build(tied=False)
     model.loss_function = ForCausalLMLoss  # transformers' own loss, whatever LOSS_MAPPING holds
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    env = dict(os.environ)  # accelerate and its imports export variables for good
     AcceleratorState._reset_state(True)
     try:
         _, record = w.train(model, w.trainer_arguments(str(tmp_path_factory.mktemp("one")),
                                                        fused=False))
     finally:
         AcceleratorState._reset_state(True)
+        os.environ.clear()
+        os.environ.update(env)
     record["before"] = before
     return record
 
