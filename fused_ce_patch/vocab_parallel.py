@@ -99,8 +99,9 @@ def vocab_parallel_linear_cross_entropy(
         ignore_index: label of positions that add nothing to the loss, counts or gradients.
         reduction: ``"mean"`` (0.0 with zero gradients when nothing is counted), ``"sum"``
             or ``"none"`` (``labels``-shaped float32 losses, float64 for float64 inputs).
-        num_items_in_batch: divide the sum by this instead (int, float or one-element tensor;
-            a value <= 0 counts as 1), as transformers' Trainer does.
+        num_items_in_batch: divide the sum by this instead (int, float or one-element tensor),
+            as transformers' Trainer does; any value as stock divides (0 gives inf, or NaN
+            when nothing is counted, with stock's gradients; NaN gives NaN).
         shift: position ``t`` predicts ``labels[..., t + 1]`` (labels are the input ids).
         softcap: final-logit softcap ``c > 0`` (Gemma-2), or None.
         logit_scale: multiply the logits by this finite nonzero number (``(s h) W^T + s b``)
@@ -358,17 +359,22 @@ class _VocabParallelCE(torch.autograd.Function):
         dh = torch.zeros(cfg.n_valid, hsize, dtype=acc, device=device) if need_h else None
         dw = torch.zeros(weight.shape, dtype=acc, device=device) if need_w else None
         db = torch.zeros(shard, dtype=acc, device=device) if need_b and bias is not None else None
+        nonfinite = False
         if cfg.reduction == "none":
             row_scale = grad_out.reshape(-1).to(acc).index_select(0, valid_rows)
         else:
             scale = grad_out.to(acc) * cfg.scale
+            # num_items_in_batch 0 or NaN with counted rows: stock's infs and NaNs (one host
+            # read, only then; with no counted row there is nothing to compute)
+            nonfinite = cfg.n_valid > 0 and not _is_finite(cfg.scale)
+        tile_grad = _nonfinite_tile_grad if nonfinite else _KERNEL.tile_grad_
         whole = cfg.tile >= shard
         rows = RowSource(hidden)
         for start, end, h, y in _chunks(rows, labels, valid_rows, cfg):
             s = row_scale[start:end] if cfg.reduction == "none" else scale
             for v0, v1 in _tiles(shard, cfg.tile):
                 z = _logits(h, weight, bias, v0, v1)
-                dz = _KERNEL.tile_grad_(
+                dz = tile_grad(
                     z, y, cfg.vocab_start + v0, cfg.vocab_size, lse[start:end], cfg.spec, s
                 )
                 del z
@@ -403,6 +409,48 @@ class _VocabParallelCE(torch.autograd.Function):
         )
 
 
+def _is_finite(scale) -> bool:
+    if isinstance(scale, torch.Tensor):
+        return bool(torch.isfinite(scale).all())
+    return math.isfinite(scale)
+
+
+def _nonfinite_tile_grad(z, y, v0, vocab, lse, spec, s):
+    """``s * dL/dz`` of a tile for a non-finite ``s`` (``num_items_in_batch`` 0 or NaN), in
+    the order autograd evaluates stock's chain, so that its infs and NaNs land where stock's
+    do. ``F.cross_entropy`` is ``log_softmax`` then nll (and the smoothing term); with ``g``
+    the gradient of the log-probabilities, ``log_softmax``'s backward is ``g - p * sum(g)``:
+    at the target ``-s + p s`` (NaN for an infinite ``s``), elsewhere ``p s`` (NaN where
+    ``p`` is 0). Then the z-loss term ``2 lambda LSE p s`` and the softcap's ``1 - tanh^2``.
+
+    Source: torch 2.13 ``aten/src/ATen/native/LossNLL.cpp`` (``cross_entropy`` with label
+    smoothing) and ``SoftMax.cpp`` (``log_softmax`` backward), as single-process autograd
+    (``backends/nonfinite_scale.py``) runs them.
+    """
+    acc = s.dtype
+    x = z.to(acc)
+    capped = x if spec.softcap is None else torch.tanh(x / spec.softcap) * spec.softcap
+    p = torch.exp(capped.double() - lse.unsqueeze(1)).to(acc)
+    eps = spec.label_smoothing
+    nll = -((1.0 - eps) * s)  # the target's entry of g
+    if eps:
+        smooth = -(s * (eps / vocab))  # every entry of g
+        total = nll + smooth * vocab
+        dx = smooth - p * total
+    else:
+        total = nll
+        dx = -(p * total)
+    inside = (y >= v0) & (y < v0 + p.shape[1])
+    rows = inside.nonzero().squeeze(1)
+    cols = (y - v0).index_select(0, rows)
+    dx[rows, cols] += nll
+    if spec.z_loss:
+        dx = dx + (2.0 * spec.z_loss) * lse.to(acc).unsqueeze(1) * p * s
+    if spec.softcap is not None:
+        dx = dx * (1.0 - torch.tanh(x / spec.softcap).square())
+    return dx
+
+
 # -- validation -------------------------------------------------------------------------------
 
 
@@ -432,8 +480,6 @@ def _check_options(reduction, num_items, softcap, logit_scale, label_smoothing, 
                 f"num_items_in_batch must be an int, a float or a one-element tensor, got "
                 f"{type(num_items).__name__} {num_items!r}"
             )
-        elif not math.isfinite(num_items):
-            raise ValueError(f"num_items_in_batch must be finite, got {num_items}")
     for name, value, ok, what in (
         ("softcap", softcap, lambda v: 0 < v < math.inf, "None or a finite number > 0"),
         ("logit_scale", logit_scale, lambda v: v != 0 and math.isfinite(v),
@@ -509,11 +555,15 @@ def _shift(labels, ignore_index):
 
 
 def _scale(reduction, num_items, n_valid, device, dtype):
+    """Multiplier of the loss sum: ``1 / num_items_in_batch`` for every value, as stock
+    divides (inf for 0, so NaN when nothing is counted; NaN for NaN; negative for negative),
+    else ``1 / counted`` for a mean (1 with none counted), else 1."""
     if num_items is not None:
         if isinstance(num_items, torch.Tensor):
-            n = num_items.detach().reshape(()).to(device=device, dtype=dtype)
-            return 1.0 / torch.where(n > 0, n, 1.0)
-        return 1.0 / float(num_items) if num_items > 0 else 1.0
+            return 1.0 / num_items.detach().reshape(()).to(device=device, dtype=dtype)
+        if num_items == 0:
+            return math.copysign(math.inf, num_items)
+        return 1.0 / float(num_items)
     if reduction == "mean":
         return 1.0 / max(n_valid, 1)
     return 1.0

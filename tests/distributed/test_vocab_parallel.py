@@ -2,9 +2,11 @@
 every rank), the whole hidden-state gradient (equal on every rank) and each rank's weight and
 bias gradient shards, put together, equal a single-process float64 reference computed from
 materialised logits (relative 1e-10 for float64 inputs, 1e-5 for float32), for every option,
-uneven and empty shards, chunks and tiles that divide nothing; ranks that disagree raise; a
-dispatch watcher shows no rank creates a tensor of tokens x vocab / tp elements when the
-budget is smaller. Single-process checks (options, a world of one) at the end."""
+uneven and empty shards, chunks and tiles that divide nothing; ``num_items_in_batch`` of any
+value as stock divides (negative; 0 or NaN give stock's inf/NaN loss and the infs and NaNs of
+stock's gradients, element for element); ranks that disagree raise; a dispatch watcher shows
+no rank creates a tensor of tokens x vocab / tp elements when the budget is smaller.
+Single-process checks (options, a world of one) at the end."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ CASES2 = [
     {"name": "f64_none_upstream", **BASE, "reduction": "none", "ignored": 0.2,
      "logits_budget": TILES64, "bias": True},
     {"name": "f64_num_items", **BASE, "num_items_in_batch": 7.0, "ignored": 0.25},
+    {"name": "f64_num_items_negative", **BASE, "num_items_in_batch": -5.0, "ignored": 0.25,
+     "label_smoothing": 0.1},
     {"name": "f64_sum_budget0", **BASE, "reduction": "sum", "logits_budget": 0},
     {"name": "f64_splits_30_7", **BASE, "splits": [30, 7], "label_smoothing": 0.2,
      "logits_budget": TILES64},
@@ -53,6 +57,19 @@ CASES2 = [
      "watch": True},
 ]
 NAN2 = {"name": "f64_nan_hidden", **BASE, "nan": True}
+#: num_items_in_batch 0 or NaN: stock's sum / n is inf or NaN, and its gradients hold infs and
+#: NaNs where autograd's order puts them (floats are passed as tensors, ints as ints). The
+#: all-ignored one is what Trainer passes for an optimizer step without a counted label.
+NONFINITE2 = [
+    {"name": "nf_zero_plain", **BASE, "num_items_in_batch": 0.0, "ignored": 0.25},
+    {"name": "nf_zero_int_all_options", **BASE, "num_items_in_batch": 0, "ignored": 0.25,
+     "softcap": 5.0, "label_smoothing": 0.1, "z_loss": 1e-3, "bias": True,
+     "logits_budget": TILES64, "wscale": 3.0},
+    {"name": "nf_zero_all_ignored", **BASE, "num_items_in_batch": 0.0, "ignored": 1.0,
+     "bias": True},
+    {"name": "nf_nan_f32", **BASE, "num_items_in_batch": float("nan"), "dtype": "float32",
+     "ignored": 0.25},
+]
 REFUSED2 = [
     ({"name": "err_labels_differ", **BASE, "corrupt_rank": 1}, "disagree on their labels"),
     ({"name": "err_gap", **BASE, "splits": [10, 20]}, "do not tile"),
@@ -77,7 +94,7 @@ def spawn(tmp_path_factory, world, cases):
 
 @pytest.fixture(scope="module")
 def results2(tmp_path_factory):
-    return spawn(tmp_path_factory, 2, [*CASES2, NAN2, *(c for c, _ in REFUSED2)])
+    return spawn(tmp_path_factory, 2, [*CASES2, NAN2, *NONFINITE2, *(c for c, _ in REFUSED2)])
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +187,55 @@ def test_four_ranks_match_single_process_float64(results4, case):
 def test_nan_propagates_to_every_rank(results2):
     got = gathered(results2, NAN2, 2)
     assert all(torch.isnan(g["loss"]) for g in got)
+
+
+def stock_reference(case):
+    """Loss and gradients of stock's chain, float64: ``F.cross_entropy(reduction="sum") /
+    num_items_in_batch`` on materialised logits (z-loss added per counted row)."""
+    import torch.nn.functional as F
+
+    hidden, weight, bias, labels, _ = w.problem(case)
+    h, wt = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    b = None if bias is None else bias.double().requires_grad_(True)
+    z = h @ wt.t() if b is None else h @ wt.t() + b
+    if case.get("softcap") is not None:
+        z = case["softcap"] * torch.tanh(z / case["softcap"])
+    loss = F.cross_entropy(z, labels, reduction="sum",
+                           label_smoothing=case.get("label_smoothing", 0.0))
+    if case.get("z_loss"):
+        loss = loss + case["z_loss"] * torch.logsumexp(z, -1)[labels != -100].square().sum()
+    loss = loss / torch.tensor(case["num_items_in_batch"], dtype=torch.float64)
+    loss.backward()
+    return loss.detach(), h.grad, wt.grad, None if b is None else b.grad
+
+
+def same_nonfinite(got, want, rtol):
+    """The same NaNs and the same signed infs, element for element; finite values close."""
+    got, want = got.double(), want.double()
+    assert torch.equal(got.isnan(), want.isnan()), (got, want)
+    assert torch.equal(got.isposinf(), want.isposinf()), (got, want)
+    assert torch.equal(got.isneginf(), want.isneginf()), (got, want)
+    finite = want.isfinite()
+    torch.testing.assert_close(got[finite], want[finite], rtol=rtol, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", NONFINITE2, ids=[c["name"] for c in NONFINITE2])
+def test_zero_or_nan_num_items_give_stocks_infs_and_nans(results2, case):
+    got = gathered(results2, case, 2)
+    loss, dh, dw, db = stock_reference(case)
+    tol = RTOL[case.get("dtype", "float64")]
+    for g in got[1:]:
+        assert torch.equal(g["loss"].isnan(), got[0]["loss"].isnan())
+        same_nonfinite(g["dh"], got[0]["dh"], 0)
+    same_nonfinite(got[0]["loss"], loss, tol)
+    same_nonfinite(got[0]["dh"], dh, tol)
+    same_nonfinite(torch.cat([g["dw"] for g in got]), dw, tol)
+    if db is not None:
+        same_nonfinite(torch.cat([g["db"] for g in got]), db, tol)
+    if case["name"] == "nf_zero_all_ignored":  # NaN loss (0 / 0), zero gradients, as stock
+        assert got[0]["loss"].isnan() and not got[0]["dh"].any() and not got[0]["dw"].any()
+    else:
+        assert not got[0]["loss"].isfinite() and not dw.isfinite().all()
 
 
 @pytest.mark.parametrize("case,words", REFUSED2, ids=[r[0]["name"] for r in REFUSED2])

@@ -3,7 +3,11 @@ transformers' own tensor parallelism (``from_pretrained(path, tp_plan="auto")``:
 ``colwise_gather_output`` layer, its weight a ``DTensor`` split along the vocabulary), patched
 or not, runs one training forward/backward on the whole batch (tensor-parallel ranks see the
 same batch) and rank 0 saves the loss, every gradient gathered to a full tensor, and what the
-spy on the vocabulary-parallel loss saw. CPU and gloo."""
+spy on the vocabulary-parallel loss saw. CPU and gloo.
+
+The ``trainer_*`` modes train the TP model with transformers' Trainer instead (a few SGD steps
+with gradient accumulation, see :func:`run_trainer`); :func:`train` is shared with the test's
+single-process reference."""
 
 from __future__ import annotations
 
@@ -26,6 +30,14 @@ MODES = ("stock", "fused", "stock_items", "fused_items", "fused_budget", "fused_
 #: 4 processes: transformers' own FSDP2 x TP (``DistributedConfig(tp_size=2, fsdp_size=2)``,
 #: mesh (fsdp, tp)); each FSDP rank pair takes half of the batch.
 FSDP_MODES = ("fsdp_stock", "fsdp_fused")
+#: transformers' Trainer on the TP model: stock; the flag (``FusedCETrainingArguments(
+#: use_fused_ce=True)``, which adds ``FusedCECallback``); ``apply_fused_ce(model)`` before
+#: ``Trainer(...)`` with the stock arguments; and stock without :class:`_ParallelismOnCPU`,
+#: which accelerate must refuse (the day it accepts CPU processes, the lift can go).
+TRAINER_MODES = ("trainer_stock", "trainer_fused", "trainer_fused_pre", "trainer_unlifted")
+#: Optimizer steps, micro-batches per step (gradient accumulation) and rows per micro-batch.
+TRAINER_STEPS, TRAINER_ACCUM, TRAINER_MICRO = 4, 2, 2
+TRAINER_LR = 2.0
 
 
 def batch(ignored: bool):
@@ -47,17 +59,20 @@ def call_kwargs(mode: str):
 
 
 class VocabParallelSpy:
-    """Records the local weight shard shape and budget of every vocabulary-parallel call."""
+    """Records the local weight shard shape and budget of every vocabulary-parallel call (in
+    ``calls``) and the ``num_items_in_batch`` it was given (in ``items``)."""
 
     def __init__(self):
         from fused_ce_patch.hf import head
 
-        self.module, self.calls = head, []
+        self.module, self.calls, self.items = head, [], []
         original = head.vocab_parallel_linear_cross_entropy
 
         def spy(hidden, weight_shard, labels, **kwargs):
             self.calls.append((tuple(weight_shard.shape), kwargs["vocab_start"],
                                kwargs.get("logits_budget")))
+            items = kwargs.get("num_items_in_batch")
+            self.items.append(float(items) if items is not None else None)
             return original(hidden, weight_shard, labels, **kwargs)
 
         self.original = original
@@ -67,10 +82,155 @@ class VocabParallelSpy:
         self.module.vocab_parallel_linear_cross_entropy = self.original
 
 
+def trainer_rows():
+    """The training set: ``TRAINER_STEPS * TRAINER_ACCUM * TRAINER_MICRO`` rows of ``SEQ``
+    tokens with ignored labels (a prefix and some tails of random length), so the micro-batches
+    of a step count different numbers of tokens and ``num_items_in_batch`` changes the loss;
+    the second micro-batch of the second step counts none (it adds nothing), and the last step
+    counts none at all (``num_items_in_batch`` 0: stock's loss is 0 / 0 = NaN, its gradients
+    0)."""
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for i in range(TRAINER_STEPS * TRAINER_ACCUM * TRAINER_MICRO):
+        ids = torch.randint(0, dist_workers.VOCAB, (SEQ,), generator=g)
+        labels = ids.clone()
+        prefix, tail = torch.randint(1, 12, (2,), generator=g).tolist()
+        labels[:prefix] = -100
+        if i % 3 == 0:
+            labels[SEQ - tail:] = -100
+        micro, step = i // TRAINER_MICRO, i // (TRAINER_MICRO * TRAINER_ACCUM)
+        if micro == TRAINER_ACCUM + 1 or step == TRAINER_STEPS - 1:
+            labels[:] = -100
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def trainer_arguments(out_dir, fused: bool):
+    """Trainer arguments: SGD, constant learning rate, no clipping, rows in order, a log entry
+    (the unrounded mean loss of the step, NaN kept as NaN) every step. ``fused``: the flag's
+    arguments."""
+    from transformers import TrainingArguments
+
+    from fused_ce_patch import FusedCETrainingArguments
+
+    extra = {"use_fused_ce": True, "fused_ce_backend": "torch"} if fused else {}
+    cls = FusedCETrainingArguments if fused else TrainingArguments
+    return cls(
+        output_dir=out_dir, per_device_train_batch_size=TRAINER_MICRO,
+        gradient_accumulation_steps=TRAINER_ACCUM, max_steps=TRAINER_STEPS,
+        learning_rate=TRAINER_LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+        max_grad_norm=0.0, train_sampling_strategy="sequential", logging_steps=1,
+        logging_nan_inf_filter=False, report_to=[],
+        save_strategy="no", seed=0, dataloader_num_workers=0, use_cpu=True, **extra,
+    )
+
+
+def full(t):
+    """``t`` whole: a ``DTensor`` gathered (a collective: every rank must call it), detached."""
+    t = t.detach()
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+
+
+def train(model, args):
+    """Trains ``model`` with a Trainer that records, per micro-batch, the input ids and the
+    ``num_items_in_batch`` its ``compute_loss`` received, and per optimizer step the gradients
+    the optimizer is about to apply. Returns (trainer, record) with those, the per-step logged
+    losses and the full parameters after training."""
+    from transformers import Trainer, TrainerCallback
+
+    seen, grads = [], []
+
+    class RecordingTrainer(Trainer):
+        def compute_loss(self, model, inputs, *a, num_items_in_batch=None, **kw):
+            items = None if num_items_in_batch is None else float(num_items_in_batch)
+            seen.append((inputs["input_ids"].detach().cpu().clone(), items))
+            return super().compute_loss(model, inputs, *a, num_items_in_batch=num_items_in_batch,
+                                        **kw)
+
+    class GradientRecorder(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.append({n: full(p.grad) for n, p in model.named_parameters()})
+
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=trainer_rows(),
+                               callbacks=[GradientRecorder()])
+    result = trainer.train()
+    record = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+              "training_loss": result.training_loss, "batches": [b for b, _ in seen],
+              "items": [n for _, n in seen], "grads": grads,
+              "params": {n: full(p) for n, p in trainer.model.named_parameters()}}
+    return trainer, record
+
+
+class _ParallelismOnCPU:
+    """Lets accelerate 1.15 accept ``ParallelismConfig(tp_size=...)`` for CPU processes, within
+    the ``with`` block only.
+
+    Trainer hands accelerate ``ParallelismConfig(tp_size=model.tp_size, dp_shard_size=...)``
+    for a model sharded at load time (transformers 5.24 ``trainer.py`` lines 777-790);
+    ``ParallelismConfig._validate_accelerator`` (accelerate ``parallelism_config.py``) then
+    refuses a ``MULTI_CPU`` run, stock model or patched ("only compatible DistributedType.FSDP
+    (version 2) or DistributedType.Multi{Device} or DistributedType.DEEPSPEED"), while it
+    accepts ``MULTI_GPU``. This swallows that one refusal (its other checks, such as the sizes
+    adding up to the world, still raise) so the CPU CI runs what GPUs run."""
+
+    def __enter__(self):
+        from accelerate.parallelism_config import ParallelismConfig
+
+        self.cls = ParallelismConfig
+        self.original = original = ParallelismConfig.__dict__["_validate_accelerator"]
+
+        def validate(config, accelerator):
+            try:
+                return original(config, accelerator)
+            except ValueError as exc:
+                if (accelerator.distributed_type.name != "MULTI_CPU"
+                        or "is only compatible" not in str(exc)):
+                    raise
+
+        self.cls._validate_accelerator = validate
+        return self
+
+    def __exit__(self, *exc):
+        self.cls._validate_accelerator = self.original
+
+
+def run_trainer(rank, world, mode, path, out_dir):
+    """One Trainer run of ``mode`` on the TP model; rank 0 saves the record and the spy's."""
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM
+
+    from fused_ce_patch import apply_fused_ce, is_fused_ce_applied
+
+    AcceleratorState._reset_state(True)
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    if mode == "trainer_fused_pre":
+        apply_fused_ce(model, backend="torch")
+    args = trainer_arguments(os.path.join(out_dir, mode), fused=mode == "trainer_fused")
+    spy, env = VocabParallelSpy(), dict(os.environ)  # accelerate exports ACCELERATE_* for good
+    try:
+        if mode == "trainer_unlifted":
+            train(model, args)
+        with _ParallelismOnCPU():
+            trainer, record = train(model, args)
+    finally:
+        spy.close()
+        os.environ.clear()
+        os.environ.update(env)
+    record.update(spy=spy.calls, spy_items=spy.items, applied=is_fused_ce_applied(model),
+                  tp_size=trainer.get_tp_size(),
+                  distributed_type=trainer.accelerator.distributed_type.name,
+                  num_processes=trainer.accelerator.num_processes)
+    if rank == 0:
+        torch.save(record, os.path.join(out_dir, f"{mode}.pt"))
+
+
 def run_mode(rank, world, mode, path, out_dir):
     from transformers import AutoModelForCausalLM
 
     from fused_ce_patch import apply_fused_ce
+
+    if mode.startswith("trainer_"):
+        return run_trainer(rank, world, mode, path, out_dir)
 
     if mode.startswith("fsdp"):
         from transformers.distributed.configuration_utils import DistributedConfig
