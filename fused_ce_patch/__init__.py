@@ -37,6 +37,7 @@ _LAZY = {
     "FusedCECallback": "fused_ce_patch.hf.trainer",
     "fused_ce_config": "fused_ce_patch.hf.trainer",
     "vocab_parallel_linear_cross_entropy": "fused_ce_patch.vocab_parallel",
+    "vocab_parallel_linear_token_stats": "fused_ce_patch.vocab_parallel_stats",
 }
 
 __all__ = [

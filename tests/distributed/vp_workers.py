@@ -135,6 +135,58 @@ def run_case(rank, world, case, out_dir):
     torch.save(result, os.path.join(out_dir, f"{case['name']}.{rank}.pt"))
 
 
+STATS_FIELDS = ("log_probs", "entropy", "is_top1", "mask", "mean_logits", "log_sum_sq_probs")
+
+
+def stats_problem(case: dict):
+    """``problem(case)`` plus a second upstream gradient (for the entropy); with ``tie``
+    (increasing columns), those weight rows zero and their biases 6, so that most rows'
+    maximum is attained exactly at every one of them, and labels naming each of them."""
+    hidden, weight, bias, labels, up_lp = problem(case)
+    g = torch.Generator().manual_seed(case.get("seed", 0) + 1)
+    up_ent = torch.randn(labels.shape, generator=g, dtype=torch.float64)
+    tie = case.get("tie", ())
+    for i, col in enumerate(tie):
+        weight[col] = 0.0
+        bias[col] = 6.0
+        labels.view(-1)[i::len(tie) + 1] = col
+    return hidden, weight, bias, labels, up_lp, up_ent
+
+
+def stats_options(case: dict) -> dict:
+    keys = ("ignore_index", "shift", "softcap", "logit_scale", "temperature", "entropy",
+            "accuracy", "mean_logits", "log_sum_sq_probs", "logits_budget")
+    return {k: case[k] for k in keys if k in case}
+
+
+def run_stats_case(rank, world, case, out_dir):
+    from fused_ce_patch.vocab_parallel_stats import vocab_parallel_linear_token_stats
+
+    hidden, weight, bias, labels, up_lp, up_ent = stats_problem(case)
+    start, stop = bounds(case, rank, world)
+    if case.get("corrupt_rank") == rank:
+        labels = labels.clone()
+        labels.view(-1)[0] = (labels.view(-1)[0] + 1) % case["v"]
+    hidden = hidden.clone().requires_grad_(True)
+    w = weight[start:stop].clone().requires_grad_(True)
+    b = None if bias is None else bias[start:stop].clone().requires_grad_(True)
+    out = vocab_parallel_linear_token_stats(
+        hidden, w, labels, vocab_start=start, vocab_size=case["v"], bias_shard=b,
+        **stats_options(case),
+    )
+    loss = 0.0
+    if case.get("grad_lp", True):
+        loss = loss + (out.log_probs * up_lp.to(out.log_probs.dtype)).sum()
+    if case.get("grad_entropy"):
+        loss = loss + (out.entropy * up_ent.to(out.entropy.dtype)).sum()
+    loss.backward()
+    result = {f: getattr(out, f) for f in STATS_FIELDS}
+    result = {k: None if v is None else v.detach() for k, v in result.items()}
+    result.update(dh=hidden.grad, dw=w.grad, db=None if b is None else b.grad, start=start,
+                  stop=stop)
+    torch.save(result, os.path.join(out_dir, f"{case['name']}.{rank}.pt"))
+
+
 def leave():
     """End a worker whose results are all on disk without tearing the process group down.
 
@@ -154,7 +206,7 @@ def worker(rank, world, init_file, cases, out_dir):
     try:
         for case in cases:
             try:
-                run_case(rank, world, case, out_dir)
+                (run_stats_case if case.get("stats") else run_case)(rank, world, case, out_dir)
             except Exception as exc:  # recorded for the test; every rank raises alike
                 with open(os.path.join(out_dir, f"{case['name']}.{rank}.err"), "w") as f:
                     f.write("".join(traceback.format_exception(exc)))
