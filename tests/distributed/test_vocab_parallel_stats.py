@@ -2,10 +2,10 @@
 ranks) and the gradients from random per-position upstream gradients on ``log_probs`` and
 ``entropy`` (the whole dH on every rank, each rank's dW / db shard put together) equal a
 float64 reference from materialised logits and the single-device ``fused_linear_token_stats``
-(relative 1e-10 for float64, 1e-5 for float32), with softcap, logit scale, temperature, shift,
-ignored labels, uneven and empty shards, tiles dividing nothing, and an argmax tied across the
-two shards and within one (first-maximum rule). Single-process checks (options, a world of
-one) at the end."""
+(relative 1e-10 for float64, 1e-5 for float32, 2e-2 for bfloat16), with softcap, logit
+scale, temperature, shift, ignored labels, uneven and empty shards, tiles dividing nothing,
+and an argmax tied across the two shards and within one (first-maximum rule).
+Single-process checks (options, a world of one) at the end."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs torch.distributed with gloo",
 )
 
-RTOL = {"float64": 1e-10, "float32": 1e-5}
+RTOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 2e-2}
 ALL = {"entropy": True, "accuracy": True, "mean_logits": True, "log_sum_sq_probs": True}
 BASE = {"n": 26, "v": 37, "h": 8, "stats": True}  # torch.chunk shards: 19 + 18 columns
 #: budgets (bytes of float64 / float32 tile cells: 32 / 16 bytes each)
@@ -47,6 +47,8 @@ CASES = [
      "grad_entropy": True, "logits_budget": ROWS12_F32},
     {"name": "st_f32_tie", **BASE, "accuracy": True, "dtype": "float32", "bias": True,
      "tie": (0, 36), "wscale": 0.5},
+    {"name": "st_bf16_softcap", **BASE, **ALL, "dtype": "bfloat16", "softcap": 4.0,
+     "bias": True, "ignored": 0.2, "grad_entropy": True, "logits_budget": ROWS12_F32},
 ]
 REFUSED = {"name": "st_err_labels_differ", **BASE, "corrupt_rank": 1}
 
@@ -156,7 +158,7 @@ def test_two_ranks_match_float64_reference_and_single_device(results, case):
             assert torch.equal(mine, want[name]), name
             assert torch.equal(mine, getattr(one, name)), name
         else:
-            assert mine.dtype == getattr(torch, dtype), name
+            assert mine.dtype == (torch.float64 if dtype == "float64" else torch.float32)
             assert rel(mine, want[name]) <= tol, (name, rel(mine, want[name]))
             assert rel(mine, getattr(one, name)) <= tol, name
             assert not mine[~want["mask"]].any(), name  # ignored positions hold 0
