@@ -105,7 +105,8 @@ def vocab_parallel_linear_cross_entropy(
         shift: position ``t`` predicts ``labels[..., t + 1]`` (labels are the input ids).
         softcap: final-logit softcap ``c > 0`` (Gemma-2), or None.
         logit_scale: multiply the logits by this finite nonzero number (``(s h) W^T + s b``)
-            before the softcap, or None.
+            before the softcap, or None; or a one-element floating tensor (a learnable scale:
+            its gradient, the whole vocabulary's, reaches it on every rank).
         label_smoothing: ``eps`` in ``[0, 1]``, torch's definition (mean over all ``V``).
         z_loss: ``lambda >= 0`` of the PaLM z-loss ``lambda * LSE**2``.
         logits_budget: bytes of transient logits one chunk of this rank's shard may hold
@@ -170,7 +171,11 @@ def vocab_parallel_linear_cross_entropy(
 
     if logit_scale is not None:  # (s h) W^T + s b = s (h W^T + b); autograd sees the products
         hidden = hidden * logit_scale
-        bias_shard = None if bias_shard is None else bias_shard * logit_scale
+        if bias_shard is not None:
+            if isinstance(logit_scale, torch.Tensor) and logit_scale.requires_grad:
+                # s is replicated, b sharded: the bias term of ds is a sum over every shard
+                logit_scale = _SumGradOverGroup.apply(logit_scale, group)
+            bias_shard = bias_shard * logit_scale
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     spec = LossSpec(
         ignore_index=ignore_index,
@@ -409,6 +414,22 @@ class _VocabParallelCE(torch.autograd.Function):
         )
 
 
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity in forward; backward sums the gradient over ``group`` (a replicated input used
+    with this rank's shard only, whose whole gradient is the sum of the shards' parts)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
 def _is_finite(scale) -> bool:
     if isinstance(scale, torch.Tensor):
         return bool(torch.isfinite(scale).all())
@@ -480,6 +501,13 @@ def _check_options(reduction, num_items, softcap, logit_scale, label_smoothing, 
                 f"num_items_in_batch must be an int, a float or a one-element tensor, got "
                 f"{type(num_items).__name__} {num_items!r}"
             )
+    if isinstance(logit_scale, torch.Tensor):  # e.g. a learnable scale: stays in the graph
+        if logit_scale.numel() != 1 or not logit_scale.is_floating_point():
+            raise TypeError(
+                f"a tensor logit_scale must be one floating-point number, got shape "
+                f"{tuple(logit_scale.shape)} {logit_scale.dtype}"
+            )
+        logit_scale = None  # its value is not read here (no host synchronisation)
     for name, value, ok, what in (
         ("softcap", softcap, lambda v: 0 < v < math.inf, "None or a finite number > 0"),
         ("logit_scale", logit_scale, lambda v: v != 0 and math.isfinite(v),
