@@ -112,8 +112,8 @@ def vocab_parallel_linear_cross_entropy(
         logits_budget: bytes of transient logits one chunk of this rank's shard may hold
             (rows x shard columns x work bytes); 0 takes the smallest tiles; None the ``torch``
             backend's default (192 MiB).
-        check_replicated: before computing, all-gather a 7-number fingerprint of every rank's
-            call (row counts, label and hidden checksums, shard bounds) and raise unless the
+        check_replicated: before computing, all-gather an 8-number fingerprint of every rank's
+            call (row counts, label and hidden checksums, shard bounds, labels out of range) and raise unless the
             ranks agree and the shards tile the vocabulary. One tiny collective and one host
             synchronisation; turn off only where the caller guarantees it.
 
@@ -160,9 +160,10 @@ def vocab_parallel_linear_cross_entropy(
     counted = flat != ignore_index
     valid_rows = counted.nonzero().squeeze(1)
     n_valid = valid_rows.shape[0]
-    if check_replicated:  # first, so that a rank with other labels cannot raise alone
-        _check_replicated(group, hidden, flat, n_valid, vocab_start, shard, vocab_size)
     bad = flat[counted & ((flat < 0) | (flat >= vocab_size))]
+    if check_replicated:  # first, so that a rank with other labels cannot raise alone
+        _check_replicated(group, hidden, flat, n_valid, vocab_start, shard, vocab_size,
+                          bad.numel())
     if bad.numel():
         raise LabelOutOfRangeError(
             f"label {bad[0].item()} is outside [0, V) with V = {vocab_size} and is not "
@@ -602,8 +603,10 @@ def _same(values) -> bool:
     return all(v == first or (math.isnan(v) and math.isnan(first)) for v in values)
 
 
-def _check_replicated(group, hidden, labels, n_valid, vocab_start, shard, vocab_size):
-    """All-gather each rank's fingerprint; raise unless the calls agree and the shards tile V."""
+def _check_replicated(group, hidden, labels, n_valid, vocab_start, shard, vocab_size, n_bad):
+    """All-gather each rank's fingerprint; raise unless the calls agree and the shards tile V.
+    ``n_bad`` (labels out of range) travels with it, so that every rank raises when one rank's
+    labels hold one, even where the label checksums of differing labels happen to agree."""
     n = labels.shape[0]
     weights = torch.arange(n, device=labels.device) % 997 + 1  # position-sensitive, < 2**53
     fingerprint = torch.stack([
@@ -614,6 +617,7 @@ def _check_replicated(group, hidden, labels, n_valid, vocab_start, shard, vocab_
         torch.tensor(float(vocab_size), dtype=torch.float64, device=hidden.device),
         torch.tensor(float(vocab_start), dtype=torch.float64, device=hidden.device),
         torch.tensor(float(shard), dtype=torch.float64, device=hidden.device),
+        torch.tensor(float(n_bad), dtype=torch.float64, device=hidden.device),
     ])
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(fingerprint) for _ in range(world)]
@@ -634,4 +638,11 @@ def _check_replicated(group, hidden, labels, n_valid, vocab_start, shard, vocab_
     if not tiled:
         raise ValueError(
             f"the ranks' vocabulary shards {bounds} do not tile [0, {vocab_size}) exactly"
+        )
+    offending = [i for i, r in enumerate(rows) if r[7]]
+    if offending and not n_bad:  # that rank raises its own error, naming the label
+        raise LabelOutOfRangeError(
+            f"rank(s) {offending} of the tensor-parallel group hold a label outside [0, V) with "
+            f"V = {vocab_size} that is not ignore_index (and every rank must pass the same "
+            f"labels)"
         )

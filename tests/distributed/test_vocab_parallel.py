@@ -81,6 +81,10 @@ NONFINITE2 = [
 REFUSED2 = [
     ({"name": "err_labels_differ", **BASE, "corrupt_rank": 1}, "disagree on their labels"),
     ({"name": "err_gap", **BASE, "splits": [10, 20]}, "do not tile"),
+    # one rank's labels differ with an equal checksum and one is out of range there: every rank
+    # raises (the count of such labels is in the fingerprint), none waits in a collective
+    ({"name": "err_out_of_range_on_one_rank", "n": 1000, "v": 37, "h": 4, "collide_rank": 1},
+     "outside [0, V)"),
 ]
 CASES4 = [
     {"name": "w4_f64_tiles_softcap", **BASE, "softcap": 5.0, "logits_budget": TILES64,
@@ -271,7 +275,7 @@ def test_ranks_that_disagree_raise(results2, case, words):
         err = results2 / f"{case['name']}.{r}.err"
         assert err.exists(), f"rank {r} did not raise"
         text = err.read_text()
-        assert "ValueError" in text and words in text, text
+        assert ("ValueError" in text or "LabelOutOfRangeError" in text) and words in text, text
 
 
 def test_no_rank_allocates_tokens_times_shard(results2):
