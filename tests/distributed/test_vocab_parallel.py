@@ -335,6 +335,8 @@ def test_design_check_value(world_of_one):
     ({"softcap": True}, TypeError, "softcap"),
     ({"softcap": -1.0}, ValueError, "softcap"),
     ({"logit_scale": 0.0}, ValueError, "logit_scale"),
+    ({"logit_scale": torch.ones(2)}, TypeError, "logit_scale"),
+    ({"logit_scale": torch.tensor(2)}, TypeError, "logit_scale"),
     ({"label_smoothing": 2.0}, ValueError, "label_smoothing"),
     ({"z_loss": "x"}, TypeError, "z_loss"),
     ({"logits_budget": 1.5}, TypeError, "logits_budget"),
