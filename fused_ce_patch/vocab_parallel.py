@@ -105,14 +105,15 @@ def vocab_parallel_linear_cross_entropy(
         shift: position ``t`` predicts ``labels[..., t + 1]`` (labels are the input ids).
         softcap: final-logit softcap ``c > 0`` (Gemma-2), or None.
         logit_scale: multiply the logits by this finite nonzero number (``(s h) W^T + s b``)
-            before the softcap, or None.
+            before the softcap, or None; or a one-element floating tensor (a learnable scale:
+            its gradient, the whole vocabulary's, reaches it on every rank).
         label_smoothing: ``eps`` in ``[0, 1]``, torch's definition (mean over all ``V``).
         z_loss: ``lambda >= 0`` of the PaLM z-loss ``lambda * LSE**2``.
         logits_budget: bytes of transient logits one chunk of this rank's shard may hold
             (rows x shard columns x work bytes); 0 takes the smallest tiles; None the ``torch``
             backend's default (192 MiB).
-        check_replicated: before computing, all-gather a 7-number fingerprint of every rank's
-            call (row counts, label and hidden checksums, shard bounds) and raise unless the
+        check_replicated: before computing, all-gather an 8-number fingerprint of every rank's
+            call (row counts, label and hidden checksums, shard bounds, labels out of range) and raise unless the
             ranks agree and the shards tile the vocabulary. One tiny collective and one host
             synchronisation; turn off only where the caller guarantees it.
 
@@ -159,9 +160,10 @@ def vocab_parallel_linear_cross_entropy(
     counted = flat != ignore_index
     valid_rows = counted.nonzero().squeeze(1)
     n_valid = valid_rows.shape[0]
-    if check_replicated:  # first, so that a rank with other labels cannot raise alone
-        _check_replicated(group, hidden, flat, n_valid, vocab_start, shard, vocab_size)
     bad = flat[counted & ((flat < 0) | (flat >= vocab_size))]
+    if check_replicated:  # first, so that a rank with other labels cannot raise alone
+        _check_replicated(group, hidden, flat, n_valid, vocab_start, shard, vocab_size,
+                          bad.numel())
     if bad.numel():
         raise LabelOutOfRangeError(
             f"label {bad[0].item()} is outside [0, V) with V = {vocab_size} and is not "
@@ -170,7 +172,11 @@ def vocab_parallel_linear_cross_entropy(
 
     if logit_scale is not None:  # (s h) W^T + s b = s (h W^T + b); autograd sees the products
         hidden = hidden * logit_scale
-        bias_shard = None if bias_shard is None else bias_shard * logit_scale
+        if bias_shard is not None:
+            if isinstance(logit_scale, torch.Tensor) and logit_scale.requires_grad:
+                # s is replicated, b sharded: the bias term of ds is a sum over every shard
+                logit_scale = _SumGradOverGroup.apply(logit_scale, group)
+            bias_shard = bias_shard * logit_scale
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     spec = LossSpec(
         ignore_index=ignore_index,
@@ -409,6 +415,22 @@ class _VocabParallelCE(torch.autograd.Function):
         )
 
 
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity in forward; backward sums the gradient over ``group`` (a replicated input used
+    with this rank's shard only, whose whole gradient is the sum of the shards' parts)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
 def _is_finite(scale) -> bool:
     if isinstance(scale, torch.Tensor):
         return bool(torch.isfinite(scale).all())
@@ -480,6 +502,13 @@ def _check_options(reduction, num_items, softcap, logit_scale, label_smoothing, 
                 f"num_items_in_batch must be an int, a float or a one-element tensor, got "
                 f"{type(num_items).__name__} {num_items!r}"
             )
+    if isinstance(logit_scale, torch.Tensor):  # e.g. a learnable scale: stays in the graph
+        if logit_scale.numel() != 1 or not logit_scale.is_floating_point():
+            raise TypeError(
+                f"a tensor logit_scale must be one floating-point number, got shape "
+                f"{tuple(logit_scale.shape)} {logit_scale.dtype}"
+            )
+        logit_scale = None  # its value is not read here (no host synchronisation)
     for name, value, ok, what in (
         ("softcap", softcap, lambda v: 0 < v < math.inf, "None or a finite number > 0"),
         ("logit_scale", logit_scale, lambda v: v != 0 and math.isfinite(v),
@@ -574,8 +603,10 @@ def _same(values) -> bool:
     return all(v == first or (math.isnan(v) and math.isnan(first)) for v in values)
 
 
-def _check_replicated(group, hidden, labels, n_valid, vocab_start, shard, vocab_size):
-    """All-gather each rank's fingerprint; raise unless the calls agree and the shards tile V."""
+def _check_replicated(group, hidden, labels, n_valid, vocab_start, shard, vocab_size, n_bad):
+    """All-gather each rank's fingerprint; raise unless the calls agree and the shards tile V.
+    ``n_bad`` (labels out of range) travels with it, so that every rank raises when one rank's
+    labels hold one, even where the label checksums of differing labels happen to agree."""
     n = labels.shape[0]
     weights = torch.arange(n, device=labels.device) % 997 + 1  # position-sensitive, < 2**53
     fingerprint = torch.stack([
@@ -586,6 +617,7 @@ def _check_replicated(group, hidden, labels, n_valid, vocab_start, shard, vocab_
         torch.tensor(float(vocab_size), dtype=torch.float64, device=hidden.device),
         torch.tensor(float(vocab_start), dtype=torch.float64, device=hidden.device),
         torch.tensor(float(shard), dtype=torch.float64, device=hidden.device),
+        torch.tensor(float(n_bad), dtype=torch.float64, device=hidden.device),
     ])
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(fingerprint) for _ in range(world)]
@@ -606,4 +638,11 @@ def _check_replicated(group, hidden, labels, n_valid, vocab_start, shard, vocab_
     if not tiled:
         raise ValueError(
             f"the ranks' vocabulary shards {bounds} do not tile [0, {vocab_size}) exactly"
+        )
+    offending = [i for i, r in enumerate(rows) if r[7]]
+    if offending and not n_bad:  # that rank raises its own error, naming the label
+        raise LabelOutOfRangeError(
+            f"rank(s) {offending} of the tensor-parallel group hold a label outside [0, V) with "
+            f"V = {vocab_size} that is not ignore_index (and every rank must pass the same "
+            f"labels)"
         )

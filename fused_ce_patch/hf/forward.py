@@ -445,6 +445,9 @@ def fused_head_loss(
     )
     if vocab_size is not None and int(vocab_size) != vocab:
         raise ValueError(f"fused_ce_patch: vocab_size {vocab_size} != lm_head rows {vocab}")
+    n = num_items_in_batch
+    if isinstance(n, torch.Tensor) and n.dim() and n.numel() == 1:
+        loss = loss.reshape(n.shape)  # stock's sum / n broadcasts to n's shape, e.g. [1]
     if num_items_in_batch is None:
         # ForCausalLMLoss takes a mean: NaN when no position counts (Trainer.evaluate drops
         # such a batch; a 0.0 would be averaged in). Gradients stay 0, as stock's do.

@@ -431,6 +431,14 @@ def _resolve(head, name, hidden=None, check_only=False, owners=None):
 def _lora(head, name, hidden, check_only, owners):
     _check_no_hooks(head, name, owners)
     base = head.get_base_layer()
+    if tp_head_layout(base, f"{name}.base_layer") is not None:
+        # the LoRA weights are whole, the base weight a vocabulary shard (stock's PEFT forward
+        # fails on it too); refused before the operands are joined, at apply and call time
+        raise UnsupportedModelError(
+            f"{name} carries PEFT LoRA around a tensor-parallel head (transformers' "
+            f"colwise_gather_output, weight a vocabulary shard); the fused loss does not "
+            f"combine LoRA adapters with a vocabulary-parallel head. {_ESCAPE}"
+        )
     if head.disable_adapters or head.merged:
         if head.disable_adapters and head.merged and not check_only:
             head.unmerge()  # what lora.Linear.forward itself does before using the base layer

@@ -369,3 +369,28 @@ def test_sequence_sharded_hidden_is_refused(world_of_one):
     hidden = DTensor.from_local(torch.randn(2, 5, 8), head.weight.device_mesh, [Shard(1)])
     with pytest.raises(UnsupportedModelError, match="sequence parallelism"):
         fused_head_loss(head, hidden, torch.randint(0, 13, (2, 5)))
+
+
+@pytest.mark.parametrize("adapters", ["enabled", "disabled"])
+def test_lora_on_a_tp_head_is_refused_by_name(world_of_one, adapters):
+    # PEFT LoRA around transformers' colwise_gather_output head: stock fails inside PEFT's
+    # forward (a [.., V] LoRA delta added to the gathered logits of a shard-sized base); the
+    # fused loss must refuse by name, at apply time, not fail in torch.cat on a DTensor
+    pytest.importorskip("peft")
+    from peft import LoraConfig, inject_adapter_in_model
+    from torch import nn
+
+    from fused_ce_patch.errors import UnsupportedModelError
+    from fused_ce_patch.hf.head import check_head, fused_head_loss
+
+    holder = nn.Module()
+    holder.lm_head = _tp_head("colwise_gather_output")
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=4, target_modules=["lm_head"]), holder)
+    head = holder.lm_head
+    assert type(head).__name__ == "Linear" and hasattr(head, "lora_A"), type(head)
+    if adapters == "disabled":
+        head.enable_adapters(False)
+    with pytest.raises(UnsupportedModelError, match="LoRA.*tensor-parallel"):
+        check_head(head)
+    with pytest.raises(UnsupportedModelError, match="LoRA.*tensor-parallel"):
+        fused_head_loss(head, torch.randn(2, 5, 8), torch.randint(0, 13, (2, 5)))

@@ -57,6 +57,14 @@ CASES2 = [
      "watch": True},
 ]
 NAN2 = {"name": "f64_nan_hidden", **BASE, "nan": True}
+#: a learnable logit scale (0-d tensor that requires grad) with a bias: its gradient is the
+#: whole vocabulary's on every rank (the bias term summed over the shards)
+SCALE_TENSOR2 = [
+    {"name": "f64_scale_tensor_bias", **BASE, "logit_scale": 0.7, "scale_tensor": True,
+     "bias": True, "softcap": 5.0, "ignored": 0.2, "logits_budget": TILES64},
+    {"name": "f32_scale_tensor", **BASE, "logit_scale": 1.3, "scale_tensor": True,
+     "dtype": "float32", "label_smoothing": 0.1},
+]
 #: num_items_in_batch 0 or NaN: stock's sum / n is inf or NaN, and its gradients hold infs and
 #: NaNs where autograd's order puts them (floats are passed as tensors, ints as ints). The
 #: all-ignored one is what Trainer passes for an optimizer step without a counted label.
@@ -73,6 +81,10 @@ NONFINITE2 = [
 REFUSED2 = [
     ({"name": "err_labels_differ", **BASE, "corrupt_rank": 1}, "disagree on their labels"),
     ({"name": "err_gap", **BASE, "splits": [10, 20]}, "do not tile"),
+    # one rank's labels differ with an equal checksum and one is out of range there: every rank
+    # raises (the count of such labels is in the fingerprint), none waits in a collective
+    ({"name": "err_out_of_range_on_one_rank", "n": 1000, "v": 37, "h": 4, "collide_rank": 1},
+     "outside [0, V)"),
 ]
 CASES4 = [
     {"name": "w4_f64_tiles_softcap", **BASE, "softcap": 5.0, "logits_budget": TILES64,
@@ -94,7 +106,8 @@ def spawn(tmp_path_factory, world, cases):
 
 @pytest.fixture(scope="module")
 def results2(tmp_path_factory):
-    return spawn(tmp_path_factory, 2, [*CASES2, NAN2, *NONFINITE2, *(c for c, _ in REFUSED2)])
+    return spawn(tmp_path_factory, 2, [*CASES2, NAN2, *NONFINITE2, *SCALE_TENSOR2,
+                                       *(c for c, _ in REFUSED2)])
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +122,10 @@ def reference(case):
     wt = weight.double().requires_grad_(True)
     b = None if bias is None else bias.double().requires_grad_(True)
     z = h @ wt.t() if b is None else h @ wt.t() + b
+    scale = None
     if case.get("logit_scale") is not None:
-        z = z * case["logit_scale"]
+        scale = torch.tensor(case["logit_scale"], dtype=torch.float64, requires_grad=True)
+        z = z * scale
     if case.get("softcap") is not None:
         z = case["softcap"] * torch.tanh(z / case["softcap"])
     ii = case.get("ignore_index", -100)
@@ -135,6 +150,8 @@ def reference(case):
         elif reduction == "mean":
             loss = loss / max(int(counted.sum()), 1)
         loss.backward()
+    if case.get("scale_tensor"):
+        return loss.detach(), h.grad, wt.grad, None if b is None else b.grad, scale.grad
     return loss.detach(), h.grad, wt.grad, None if b is None else b.grad
 
 
@@ -182,6 +199,20 @@ def test_four_ranks_match_single_process_float64(results4, case):
     got = check(results4, case, 4)
     if case["name"] == "w4_f64_empty_shard":
         assert [g["stop"] - g["start"] for g in got] == [1, 1, 1, 0]
+
+
+@pytest.mark.parametrize("case", SCALE_TENSOR2, ids=[c["name"] for c in SCALE_TENSOR2])
+def test_learnable_logit_scale_gets_the_whole_gradient_on_every_rank(results2, case):
+    got = gathered(results2, case, 2)
+    loss, dh, dw, db, ds = reference(case)
+    tol = RTOL[case.get("dtype", "float64")]
+    for g in got:
+        assert torch.equal(g["loss"], got[0]["loss"]) and torch.equal(g["dh"], got[0]["dh"])
+        assert rel(g["ds"], ds) <= tol, (g["ds"], ds)
+    assert rel(got[0]["loss"], loss) <= tol and rel(got[0]["dh"], dh) <= tol
+    assert rel(torch.cat([g["dw"] for g in got]), dw) <= tol
+    if db is not None:
+        assert rel(torch.cat([g["db"] for g in got]), db) <= tol
 
 
 def test_nan_propagates_to_every_rank(results2):
@@ -244,7 +275,7 @@ def test_ranks_that_disagree_raise(results2, case, words):
         err = results2 / f"{case['name']}.{r}.err"
         assert err.exists(), f"rank {r} did not raise"
         text = err.read_text()
-        assert "ValueError" in text and words in text, text
+        assert ("ValueError" in text or "LabelOutOfRangeError" in text) and words in text, text
 
 
 def test_no_rank_allocates_tokens_times_shard(results2):
@@ -304,6 +335,8 @@ def test_design_check_value(world_of_one):
     ({"softcap": True}, TypeError, "softcap"),
     ({"softcap": -1.0}, ValueError, "softcap"),
     ({"logit_scale": 0.0}, ValueError, "logit_scale"),
+    ({"logit_scale": torch.ones(2)}, TypeError, "logit_scale"),
+    ({"logit_scale": torch.tensor(2)}, TypeError, "logit_scale"),
     ({"label_smoothing": 2.0}, ValueError, "label_smoothing"),
     ({"z_loss": "x"}, TypeError, "z_loss"),
     ({"logits_budget": 1.5}, TypeError, "logits_budget"),

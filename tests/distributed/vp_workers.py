@@ -110,16 +110,25 @@ def run_case(rank, world, case, out_dir):
     if case.get("corrupt_rank") == rank:  # this rank's labels differ from the others'
         labels = labels.clone()
         labels.view(-1)[0] = (labels.view(-1)[0] + 1) % case["v"]
+    if case.get("collide_rank") == rank:  # an out-of-range label, same fingerprint checksum
+        labels = labels.clone()
+        flat, shift = labels.view(-1), case["v"] + 2 - int(labels.view(-1)[0])
+        flat[0] += shift  # positions 0 and 997 weigh alike in the checksum
+        flat[997] -= shift
     hidden = hidden.clone().requires_grad_(True)
     w = weight[start:stop].clone().requires_grad_(True)
     b = None if bias is None else bias[start:stop].clone().requires_grad_(True)
+    opts = options(case)
+    scale = None
+    if case.get("scale_tensor"):  # a learnable logit scale: a 0-d tensor that requires grad
+        scale = opts["logit_scale"] = torch.tensor(case["logit_scale"], dtype=hidden.dtype,
+                                                   requires_grad=True)
     watcher = AllocationWatcher() if case.get("watch") else None
     if watcher is not None:
         watcher.__enter__()
     try:
         loss = vocab_parallel_linear_cross_entropy(
-            hidden, w, labels, vocab_start=start, vocab_size=case["v"], bias_shard=b,
-            **options(case),
+            hidden, w, labels, vocab_start=start, vocab_size=case["v"], bias_shard=b, **opts,
         )
         if loss.dim():
             loss.backward(upstream.to(loss.dtype))
@@ -129,7 +138,8 @@ def run_case(rank, world, case, out_dir):
         if watcher is not None:
             watcher.__exit__(None, None, None)
     result = {"loss": loss.detach(), "dh": hidden.grad, "dw": w.grad,
-              "db": None if b is None else b.grad, "start": start, "stop": stop}
+              "db": None if b is None else b.grad, "start": start, "stop": stop,
+              "ds": None if scale is None else scale.grad}
     if watcher is not None:
         result.update(largest=watcher.largest, peak=watcher.peak)
     torch.save(result, os.path.join(out_dir, f"{case['name']}.{rank}.pt"))
