@@ -179,9 +179,10 @@ def vocab_parallel_linear_token_stats(
     counted = flat != ignore_index
     valid_rows = counted.nonzero().squeeze(1)
     n_valid = valid_rows.shape[0]
-    if check_replicated:  # first, so that a rank with other labels cannot raise alone
-        _check_replicated(group, hidden, flat, n_valid, vocab_start, shard, vocab_size)
     bad = flat[counted & ((flat < 0) | (flat >= vocab_size))]
+    if check_replicated:  # first, so that a rank with other labels cannot raise alone
+        _check_replicated(group, hidden, flat, n_valid, vocab_start, shard, vocab_size,
+                          bad.numel())
     if bad.numel():
         raise LabelOutOfRangeError(
             f"label {bad[0].item()} is outside [0, V) with V = {vocab_size} and is not "

@@ -51,6 +51,10 @@ CASES = [
      "bias": True, "ignored": 0.2, "grad_entropy": True, "logits_budget": ROWS12_F32},
 ]
 REFUSED = {"name": "st_err_labels_differ", **BASE, "corrupt_rank": 1}
+# one rank's labels differ with an equal checksum and one is out of range there: every rank
+# raises (the count of such labels is in the fingerprint), none waits in a collective
+COLLIDE = {"name": "st_err_out_of_range_on_one_rank", "n": 1000, "v": 37, "h": 4,
+           "collide_rank": 1}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +62,8 @@ def results(tmp_path_factory):
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("vpstats")
-    mp.spawn(w.worker, args=(2, str(out / "init"), [*CASES, REFUSED], str(out)), nprocs=2)
+    mp.spawn(w.worker, args=(2, str(out / "init"), [*CASES, REFUSED, COLLIDE], str(out)),
+             nprocs=2)
     return out
 
 
@@ -201,6 +206,14 @@ def test_ranks_that_disagree_raise(results):
         assert err.exists(), f"rank {r} did not raise"
         text = err.read_text()
         assert "ValueError" in text and "disagree on their labels" in text, text
+
+
+def test_out_of_range_label_on_one_rank_raises_on_every_rank(results):
+    for r in range(2):
+        err = results / f"{COLLIDE['name']}.{r}.err"
+        assert err.exists(), f"rank {r} did not raise"
+        text = err.read_text()
+        assert "LabelOutOfRangeError" in text and "outside [0, V)" in text, text
 
 
 # -- single process ---------------------------------------------------------------------------

@@ -177,6 +177,11 @@ def run_stats_case(rank, world, case, out_dir):
     if case.get("corrupt_rank") == rank:
         labels = labels.clone()
         labels.view(-1)[0] = (labels.view(-1)[0] + 1) % case["v"]
+    if case.get("collide_rank") == rank:  # an out-of-range label, same fingerprint checksum
+        labels = labels.clone()
+        flat, shift = labels.view(-1), case["v"] + 2 - int(labels.view(-1)[0])
+        flat[0] += shift  # positions 0 and 997 weigh alike in the checksum
+        flat[997] -= shift
     hidden = hidden.clone().requires_grad_(True)
     w = weight[start:stop].clone().requires_grad_(True)
     b = None if bias is None else bias[start:stop].clone().requires_grad_(True)
