@@ -53,8 +53,8 @@ import warnings
 
 import torch
 
-from .architectures import DEFER, DONE, LOSS, TRANSFORM, ArchSpec
 from ..errors import UnsupportedModelError
+from .architectures import DEFER, DONE, LOSS, TRANSFORM, ArchSpec
 from .head import check_head
 from .head import fused_head_loss as _head_loss
 from .head import head_operands
