@@ -55,9 +55,8 @@ import torch
 
 from ..errors import UnsupportedModelError
 from .architectures import DEFER, DONE, LOSS, TRANSFORM, ArchSpec
-from .head import check_head
+from .head import check_head, head_operands
 from .head import fused_head_loss as _head_loss
-from .head import head_operands
 from .loss_mapping import functorch_active, fused_loss_refusal
 from .registry import PATCHED as _PATCHED
 from .registry import STOCK as _STOCK
