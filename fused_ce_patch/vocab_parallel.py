@@ -140,35 +140,11 @@ def vocab_parallel_linear_cross_entropy(
     for name, flag in (("shift", shift), ("check_replicated", check_replicated)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {type(flag).__name__} {flag!r}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "vocab_parallel_linear_cross_entropy needs an initialised torch.distributed "
-            "process group (the tensor-parallel group)"
-        )
-    hidden, weight_shard, bias_shard = _autocast(hidden, weight_shard, bias_shard)
-    _check_tensors(hidden, weight_shard, labels, bias_shard)
-    shard = weight_shard.shape[0]
-    if vocab_size < 1 or vocab_start < 0 or vocab_start + shard > vocab_size:
-        raise ValueError(
-            f"the shard [vocab_start, vocab_start + V_r) = [{vocab_start}, {vocab_start + shard}) "
-            f"must lie in [0, vocab_size) with vocab_size = {vocab_size} >= 1"
-        )
-    labels = labels.long()
-    if shift:
-        labels = _shift(labels, ignore_index)
-    flat = labels.reshape(-1)
-    counted = flat != ignore_index
-    valid_rows = counted.nonzero().squeeze(1)
-    n_valid = valid_rows.shape[0]
-    bad = flat[counted & ((flat < 0) | (flat >= vocab_size))]
-    if check_replicated:  # first, so that a rank with other labels cannot raise alone
-        _check_replicated(group, hidden, flat, n_valid, vocab_start, shard, vocab_size,
-                          bad.numel())
-    if bad.numel():
-        raise LabelOutOfRangeError(
-            f"label {bad[0].item()} is outside [0, V) with V = {vocab_size} and is not "
-            f"ignore_index = {ignore_index}"
-        )
+    hidden, weight_shard, bias_shard, labels, counted, valid_rows = prepare_shard_call(
+        "vocab_parallel_linear_cross_entropy", group, hidden, weight_shard, bias_shard, labels,
+        ignore_index=ignore_index, shift=shift, vocab_start=vocab_start, vocab_size=vocab_size,
+        check_replicated=check_replicated)
+    flat, n_valid, shard = labels.reshape(-1), valid_rows.shape[0], weight_shard.shape[0]
 
     if logit_scale is not None:  # (s h) W^T + s b = s (h W^T + b); autograd sees the products
         hidden = hidden * logit_scale
@@ -574,6 +550,48 @@ def _check_tensors(hidden, weight, labels, bias):
     for name, t in (("weight_shard", weight), ("labels", labels), ("bias_shard", bias)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"hidden is on {hidden.device} but {name} is on {t.device}")
+
+
+def prepare_shard_call(what, group, hidden, weight_shard, bias_shard, labels, *, ignore_index,
+                       shift, vocab_start, vocab_size, check_replicated):
+    """What every vocabulary-parallel function does before computing: the process group, autocast
+    and tensor checks, the shard's bounds, the (shifted) labels and their counted rows, and the
+    cross-rank check — before a rank's out-of-range label raises, so that no rank raises alone.
+
+    Returns:
+        ``(hidden, weight_shard, bias_shard, labels, counted, valid_rows)``: the autocast
+        operands, the int64 (shifted) labels, their ``!= ignore_index`` mask and its indices
+        (flattened).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{what} needs an initialised torch.distributed process group (the tensor-parallel "
+            f"group)"
+        )
+    hidden, weight_shard, bias_shard = _autocast(hidden, weight_shard, bias_shard)
+    _check_tensors(hidden, weight_shard, labels, bias_shard)
+    shard = weight_shard.shape[0]
+    if vocab_size < 1 or vocab_start < 0 or vocab_start + shard > vocab_size:
+        raise ValueError(
+            f"the shard [vocab_start, vocab_start + V_r) = [{vocab_start}, {vocab_start + shard}) "
+            f"must lie in [0, vocab_size) with vocab_size = {vocab_size} >= 1"
+        )
+    labels = labels.long()
+    if shift:
+        labels = _shift(labels, ignore_index)
+    flat = labels.reshape(-1)
+    counted = flat != ignore_index
+    valid_rows = counted.nonzero().squeeze(1)
+    bad = flat[counted & ((flat < 0) | (flat >= vocab_size))]
+    if check_replicated:
+        _check_replicated(group, hidden, flat, valid_rows.shape[0], vocab_start, shard,
+                          vocab_size, bad.numel())
+    if bad.numel():
+        raise LabelOutOfRangeError(
+            f"label {bad[0].item()} is outside [0, V) with V = {vocab_size} and is not "
+            f"ignore_index = {ignore_index}"
+        )
+    return hidden, weight_shard, bias_shard, labels, counted, valid_rows
 
 
 def _shift(labels, ignore_index):

@@ -52,17 +52,10 @@ from .backends.token_stats import (
     forward_tile,
     tile_shape,
 )
-from .errors import LabelOutOfRangeError, single_backward
+from .errors import single_backward
 from .loss import check_logits_budget
 from .token_stats import TokenStats
-from .vocab_parallel import (
-    _autocast,
-    _check_replicated,
-    _check_tensors,
-    _int_option,
-    _is_number,
-    _shift,
-)
+from .vocab_parallel import _int_option, _is_number, prepare_shard_call
 
 _FIELDS = ("entropy", "accuracy", "mean_logits", "log_sum_sq_probs")
 
@@ -159,35 +152,11 @@ def vocab_parallel_linear_token_stats(
     ignore_index = _int_option("ignore_index", ignore_index)
     vocab_start = _int_option("vocab_start", vocab_start)
     vocab_size = _int_option("vocab_size", vocab_size)
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "vocab_parallel_linear_token_stats needs an initialised torch.distributed process "
-            "group (the tensor-parallel group)"
-        )
-    hidden, weight_shard, bias_shard = _autocast(hidden, weight_shard, bias_shard)
-    _check_tensors(hidden, weight_shard, labels, bias_shard)
-    shard = weight_shard.shape[0]
-    if vocab_size < 1 or vocab_start < 0 or vocab_start + shard > vocab_size:
-        raise ValueError(
-            f"the shard [vocab_start, vocab_start + V_r) = [{vocab_start}, {vocab_start + shard}) "
-            f"must lie in [0, vocab_size) with vocab_size = {vocab_size} >= 1"
-        )
-    labels = labels.long()
-    if shift:
-        labels = _shift(labels, ignore_index)
-    flat = labels.reshape(-1)
-    counted = flat != ignore_index
-    valid_rows = counted.nonzero().squeeze(1)
-    n_valid = valid_rows.shape[0]
-    bad = flat[counted & ((flat < 0) | (flat >= vocab_size))]
-    if check_replicated:  # first, so that a rank with other labels cannot raise alone
-        _check_replicated(group, hidden, flat, n_valid, vocab_start, shard, vocab_size,
-                          bad.numel())
-    if bad.numel():
-        raise LabelOutOfRangeError(
-            f"label {bad[0].item()} is outside [0, V) with V = {vocab_size} and is not "
-            f"ignore_index = {ignore_index}"
-        )
+    hidden, weight_shard, bias_shard, labels, counted, valid_rows = prepare_shard_call(
+        "vocab_parallel_linear_token_stats", group, hidden, weight_shard, bias_shard, labels,
+        ignore_index=ignore_index, shift=shift, vocab_start=vocab_start, vocab_size=vocab_size,
+        check_replicated=check_replicated)
+    flat, n_valid, shard = labels.reshape(-1), valid_rows.shape[0], weight_shard.shape[0]
 
     h = hidden.reshape(-1, hidden.shape[-1])
     all_rows = n_valid == flat.shape[0]
