@@ -102,11 +102,8 @@ class AllocationWatcher(TorchDispatchMode):
         return out
 
 
-def run_case(rank, world, case, out_dir):
-    from fused_ce_patch.vocab_parallel import vocab_parallel_linear_cross_entropy
-
-    hidden, weight, bias, labels, upstream = problem(case)
-    start, stop = bounds(case, rank, world)
+def rank_labels(case, rank, labels):
+    """This rank's labels: the shared ones, or for the refusal cases a corrupted copy."""
     if case.get("corrupt_rank") == rank:  # this rank's labels differ from the others'
         labels = labels.clone()
         labels.view(-1)[0] = (labels.view(-1)[0] + 1) % case["v"]
@@ -115,6 +112,15 @@ def run_case(rank, world, case, out_dir):
         flat, shift = labels.view(-1), case["v"] + 2 - int(labels.view(-1)[0])
         flat[0] += shift  # positions 0 and 997 weigh alike in the checksum
         flat[997] -= shift
+    return labels
+
+
+def run_case(rank, world, case, out_dir):
+    from fused_ce_patch.vocab_parallel import vocab_parallel_linear_cross_entropy
+
+    hidden, weight, bias, labels, upstream = problem(case)
+    start, stop = bounds(case, rank, world)
+    labels = rank_labels(case, rank, labels)
     hidden = hidden.clone().requires_grad_(True)
     w = weight[start:stop].clone().requires_grad_(True)
     b = None if bias is None else bias[start:stop].clone().requires_grad_(True)
@@ -174,14 +180,7 @@ def run_stats_case(rank, world, case, out_dir):
 
     hidden, weight, bias, labels, up_lp, up_ent = stats_problem(case)
     start, stop = bounds(case, rank, world)
-    if case.get("corrupt_rank") == rank:
-        labels = labels.clone()
-        labels.view(-1)[0] = (labels.view(-1)[0] + 1) % case["v"]
-    if case.get("collide_rank") == rank:  # an out-of-range label, same fingerprint checksum
-        labels = labels.clone()
-        flat, shift = labels.view(-1), case["v"] + 2 - int(labels.view(-1)[0])
-        flat[0] += shift  # positions 0 and 997 weigh alike in the checksum
-        flat[997] -= shift
+    labels = rank_labels(case, rank, labels)
     hidden = hidden.clone().requires_grad_(True)
     w = weight[start:stop].clone().requires_grad_(True)
     b = None if bias is None else bias[start:stop].clone().requires_grad_(True)
