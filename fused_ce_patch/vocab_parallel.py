@@ -113,9 +113,10 @@ def vocab_parallel_linear_cross_entropy(
             (rows x shard columns x work bytes); 0 takes the smallest tiles; None the ``torch``
             backend's default (192 MiB).
         check_replicated: before computing, all-gather an 8-number fingerprint of every rank's
-            call (row counts, label and hidden checksums, shard bounds, labels out of range) and raise unless the
-            ranks agree and the shards tile the vocabulary. One tiny collective and one host
-            synchronisation; turn off only where the caller guarantees it.
+            call (row counts, label and hidden checksums, shard bounds, labels out of range)
+            and raise unless the ranks agree and the shards tile the vocabulary. One tiny
+            collective and one host synchronisation; turn off only where the caller
+            guarantees it.
 
     Returns:
         A 0-d float32 loss (float64 for float64 inputs), equal on every rank, or per-position
