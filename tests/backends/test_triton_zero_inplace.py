@@ -118,6 +118,20 @@ def test_against_float64(oracle, spy, dtype, opts):
     assert spy == [1]
 
 
+@pytest.mark.parametrize("cols", [1, 4, 7])
+def test_narrow_chunks(oracle, spy, monkeypatch, cols):
+    """Chunks narrower than dH's storage holds (``MAX_CHUNK_COLS``; 11 columns at H = 23):
+    the vocabulary split in 1, 4 or 7 columns, V = 211 not a multiple of any; the chunks under
+    dH's accumulator capped alike (a 2-column tail buffer, so the cap is what limits them)."""
+    monkeypatch.setattr(zi, "MAX_CHUNK_COLS", cols)
+    monkeypatch.setattr(zi, "TAIL_SCRATCH_BYTES", 4 * 39 * 2)
+    monkeypatch.setattr(zi, "MIN_TAIL_COLS", 1)
+    hidden, weight, labels, b = make(CASE, (3, 13), 23, 211, dtype=torch.bfloat16, bias=True,
+                                     logit_std=3.0)  # fmt: skip
+    _check(oracle, _run(oracle, hidden, weight, labels, b, softcap=20.0, z_loss=1e-4))
+    assert spy == [1]
+
+
 @pytest.mark.parametrize("tail_bytes", [None, 4 * 39 * 5], ids=["own-rows", "tail-buffer"])
 def test_tail_chunks(oracle, spy, monkeypatch, tail_bytes):
     """dW of the rows under the float32 accumulator: chunks whose logits fit in the free rows
@@ -197,3 +211,18 @@ def test_steps_aside():
     many_rows = torch.randn(17 * 8, 8, dtype=torch.bfloat16)  # N > MAX_ROWS_PER_HIDDEN * H
     assert zi.plan(many_rows, torch.randn(400, 8, dtype=torch.bfloat16), CUDA_LAUNCHERS,
                    True, True, 30) is None  # fmt: skip
+
+
+def test_chunk_width_follows_the_l2_cache(monkeypatch):
+    """Chunks of float32 logits about L2-sized (nearest 128 columns, at least 128), no cap
+    where no L2 size is known; ``MAX_CHUNK_COLS`` overrides."""
+    monkeypatch.setattr(zi, "_l2_bytes", lambda device: 60 * 2**20)
+    cuda = torch.device("cuda")
+    assert zi.chunk_cols(8192, cuda) == 1920  # 60 MiB / 32 KiB per column
+    assert zi.chunk_cols(32768, cuda) == 512  # 480 -> nearest multiple of 128
+    assert zi.chunk_cols(2**22, cuda) == zi.MIN_L2_CHUNK_COLS
+    monkeypatch.setattr(zi, "MAX_CHUNK_COLS", 96)
+    assert zi.chunk_cols(8192, cuda) == 96
+    monkeypatch.setattr(zi, "MAX_CHUNK_COLS", None)
+    monkeypatch.setattr(zi, "_l2_bytes", lambda device: 0)
+    assert zi.chunk_cols(8192, torch.device("cpu")) >= 2**31

@@ -8,7 +8,7 @@ product is a plain cuBLAS matmul that owns its output (no two programs write the
 element, so the result is the same bits run after run), and every reduction is in float32:
 
     acc   = float32 [N, H], in the last 2N rows of dW's storage     (dH's accumulator)
-    for each chunk C of H/2 columns below those rows (its logits in dH's storage):
+    for each chunk C of <= H/2 columns below those rows (its logits in dH's storage):
         Z     = hidden @ W[C].T                 cuBLAS, float32 output
         G     = logits_grad_cols(Z + b[C])      Triton: scale * dL/dz in the input dtype,
                                                 target column 0, written over Z row by row
@@ -20,6 +20,9 @@ element, so the result is the same bits run after run), and every reduction is i
     for the last columns, top down, in chunks whose Z fits in the free rows below them (then
     in a TAIL_SCRATCH_BYTES buffer): G as above, dW[C] = G.T @ hidden, db[C]
     dW[y] += sum_{r: y_r = y} coef_r * h_r                  target column, float32
+
+Chunks are at most H/2 columns wide and, on a GPU, hold at most about its L2 cache's size of
+float32 logits (:func:`chunk_cols`): the matmul's output is then read back from L2.
 
 The logits are float32 (as in forward, whose LSE the gradient uses: 16-bit logits against a
 float32 LSE tripled the gradient error in a test). The target column, ``coef_r``: kernels
@@ -60,6 +63,10 @@ TAIL_SCRATCH_BYTES = 4 * 2**20
 MAX_ROWS_PER_HIDDEN = 16
 #: Fewest vocabulary columns a tail chunk should have; fewer: the tiled kernels run instead.
 MIN_TAIL_COLS = 16
+#: Most vocabulary columns per chunk; None: :func:`chunk_cols` picks by the GPU's L2 size.
+MAX_CHUNK_COLS: int | None = None
+#: Fewest columns a chunk is cut to for the L2 cache: narrower matmuls lose more than L2 gains.
+MIN_L2_CHUNK_COLS = 128
 #: float32 accumulator start, in 16-bit elements: 16-byte aligned for the matmuls.
 _ALIGN = 8
 
@@ -116,6 +123,28 @@ def _cuda_fp32_out_matmuls() -> bool:
     except AttributeError:
         return False
     return True
+
+
+def chunk_cols(n: int, device: torch.device) -> int:
+    """Most vocabulary columns of one chunk of ``n`` rows: its float32 logits about the size of
+    the GPU's L2 cache (nearest multiple of 128 columns, at least ``MIN_L2_CHUNK_COLS``), so
+    that what the logits matmul writes is still in L2 when the gradient kernel and the dH and
+    dW matmuls read it. On an H200 (60 MiB L2) at 32K rows 512 columns took 342 ms against
+    407 at H/2 = 2048 (Llama-3), 256: 444; at 8K rows the H/2 chunks already fit
+    (BENCHMARKS.md, 2026-12-02). ``MAX_CHUNK_COLS`` overrides; no L2 size known (CPU, other
+    devices): no cap."""
+    if MAX_CHUNK_COLS:
+        return MAX_CHUNK_COLS
+    l2 = _l2_bytes(device)
+    if not l2:
+        return 2**62
+    return max(MIN_L2_CHUNK_COLS, round(l2 / (4 * n) / 128) * 128)
+
+
+def _l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
 
 
 def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -197,7 +226,8 @@ def backward(p: InPlacePlan, hidden, weight, bias, valid_rows, y_valid, row_off,
     acc = flat_w[p.acc_start : p.acc_start + 2 * n * hsize].view(torch.float32).view(n, hsize)
     acc.zero_()
     spare = dh.view(-1)  # dH's storage holds one chunk's logits until dH is formed
-    width = max(1, hsize // 2)  # float32 logits of N rows in N * H 16-bit elements
+    # float32 logits of N rows in N * H 16-bit elements: H / 2 columns, or fewer (L2)
+    width = min(max(1, hsize // 2), chunk_cols(n, dev))
 
     below = [(v0, min(v0 + width, p.v_acc)) for v0 in range(0, p.v_acc, width)]
     under = [(v0, min(v0 + width, vocab)) for v0 in range(p.v_acc, vocab, width)]
@@ -217,6 +247,7 @@ def backward(p: InPlacePlan, hidden, weight, bias, valid_rows, y_valid, row_off,
     while hi > lo:
         start = -(-lo * hsize // _ALIGN) * _ALIGN
         c = max(0, hi * hsize - start) // (2 * n + hsize)
+        c = min(c, max(width, p.tail_cols))
         if c >= p.tail_cols:
             buf = flat_w[start:]
         else:
