@@ -78,7 +78,7 @@ MIN_L2_CHUNK_COLS = 128
 COMPACT = True
 #: Least fraction of matmul work the counted-rows pass must save to be taken, and the largest
 #: share of the vocabulary under its accumulator (2M / V). On an H200 it was 22-26 % faster
-#: with 40 % of rows ignored (saving 0.37-0.40 by the count below), 0-8 % slower with 10 %
+#: with 40 % of rows ignored (saving 0.37-0.40 by the count below), 0-10 % slower with 10 %
 #: (0.09-0.10), 53 % slower at Llama-2's V = 32000 with 10 % (2M / V = 0.46).
 COMPACT_MIN_SAVING = 0.2
 COMPACT_MAX_UNDER = 0.35
