@@ -149,6 +149,8 @@ def run_paths(problem: Problem, rows_max: int, launchers=None, tuning=None) -> t
 
     from .zero_logits import TritonZeroLogitsLinearCrossEntropy, ZeroLogitsConfig
 
+    if bias is not None:
+        bias = bias.contiguous()  # its kernels index bias by column, unit stride ([V] is cheap)
     cfg = ZeroLogitsConfig(
         spec=problem.spec,
         reduction=problem.reduction,
