@@ -125,10 +125,10 @@ def plan(hidden, weight, launchers, need_h: bool, need_w: bool, n_valid: int):
         return None
     m = n_valid
     if _compact_pays(n, m, vocab, hsize):
-        acc_start = (vocab * hsize - 2 * m * hsize) // _ALIGN * _ALIGN
+        acc_start = _acc_start(vocab, hsize, m)
         return InPlacePlan(h2=h2, acc_start=acc_start, v_acc=acc_start // hsize,
                            tail_cols=tail_cols, compact=True)  # fmt: skip
-    acc_start = (vocab * hsize - 2 * n * hsize) // _ALIGN * _ALIGN
+    acc_start = _acc_start(vocab, hsize, n)
     if acc_start < 0:
         return None
     return InPlacePlan(h2=h2, acc_start=acc_start, v_acc=acc_start // hsize,
@@ -145,12 +145,30 @@ def _compact_pays(n: int, m: int, vocab: int, hsize: int) -> bool:
     under the accumulator get their dW from all ``N`` rows afterwards)."""
     if not COMPACT or m >= n or 2 * m > COMPACT_MAX_UNDER * vocab:
         return False
-    acc_start = (vocab * hsize - 2 * m * hsize) // _ALIGN * _ALIGN
+    acc_start = _acc_start(vocab, hsize, m)
     if acc_start // (2 * m) < MIN_TAIL_COLS or TAIL_SCRATCH_BYTES // (4 * m) < MIN_TAIL_COLS:
         return False
     full = 3 * vocab * n + 2 * n * n
     counted = 3 * vocab * m - 2 * m * m + 4 * m * n
     return counted <= (1.0 - COMPACT_MIN_SAVING) * full
+
+
+def _acc_start(vocab: int, hsize: int, rows: int) -> int:
+    """First 16-bit element of dW's storage under a float32 ``[rows, H]`` accumulator that
+    ends at (or just before) the storage's end; negative where it does not fit."""
+    return (vocab * hsize - 2 * rows * hsize) // _ALIGN * _ALIGN
+
+
+def _acc_view(dw: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """The float32 ``[rows, H]`` accumulator in dW's storage from element ``start`` on."""
+    hsize = dw.shape[1]
+    return dw.view(-1)[start : start + 2 * rows * hsize].view(torch.float32).view(rows, hsize)
+
+
+def _chunk_width(rows: int, hsize: int, device) -> int:
+    """Columns of one chunk of ``rows`` rows: H / 2 (float32 logits of N rows fill dH's N * H
+    16-bit elements), or fewer for the L2 cache (:func:`chunk_cols`)."""
+    return min(max(1, hsize // 2), chunk_cols(rows, device))
 
 
 def _cuda_fp32_out_matmuls() -> bool:
@@ -278,7 +296,7 @@ def backward(p: InPlacePlan, hidden, weight, bias, valid_rows, y_valid, row_off,
     # dW of the rows under acc, from all rows, top down; each chunk's logits in the free rows
     # below it (acc is spent), then in the scratch buffer
     flat_w = dw.view(-1)
-    width = min(max(1, hsize // 2), chunk_cols(n, dev))
+    width = _chunk_width(n, hsize, dev)
     lo, hi = p.v_acc, vocab
     while hi > lo:
         start = -(-lo * hsize // _ALIGN) * _ALIGN
@@ -314,12 +332,10 @@ def _first_pass_all(p: InPlacePlan, every: _Chunks, dh, dw, db, valid_rows, y_va
     dH's storage), and dW of the columns below the accumulator."""
     n, hsize = p.h2.shape
     vocab = dw.shape[0]
-    acc = dw.view(-1)[p.acc_start : p.acc_start + 2 * n * hsize]
-    acc = acc.view(torch.float32).view(n, hsize)
+    acc = _acc_view(dw, p.acc_start, n)
     acc.zero_()
     spare = dh.view(-1)  # dH's storage holds one chunk's logits until dH is formed
-    # float32 logits of N rows in N * H 16-bit elements: H / 2 columns, or fewer (L2)
-    width = min(max(1, hsize // 2), chunk_cols(n, dh.device))
+    width = _chunk_width(n, hsize, dh.device)
     below = [(v0, min(v0 + width, p.v_acc)) for v0 in range(0, p.v_acc, width)]
     under = [(v0, min(v0 + width, vocab)) for v0 in range(p.v_acc, vocab, width)]
     for v0, v1 in below + under:
@@ -343,11 +359,10 @@ def _first_pass_counted(p: InPlacePlan, counted: _Chunks, dh, dw, db, valid_rows
     flat_w = dw.view(-1)
     counted.h = dh.view(-1)[: m * hsize].view(m, hsize)
     torch.index_select(p.h2, 0, valid_rows, out=counted.h)
-    acc = flat_w[p.acc_start : p.acc_start + 2 * m * hsize]
-    acc = acc.view(torch.float32).view(m, hsize)
+    acc = _acc_view(dw, p.acc_start, m)
     acc.zero_()
     weight = counted.weight
-    width = min(max(1, hsize // 2), chunk_cols(m, dh.device))
+    width = _chunk_width(m, hsize, dh.device)
     tail_cols = TAIL_SCRATCH_BYTES // (4 * m)
     # the columns under acc first (their dW comes from all rows later), logits from row 0 on
     w_under = min(width, p.acc_start // (2 * m))
