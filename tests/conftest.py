@@ -103,7 +103,23 @@ def oracle_loss(
 rel_err = relative_error  # ``||a - b|| / ||b||`` in float64: fused_ce_patch.numerics
 
 
+def one_ulp_err(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """The relative error (as :func:`rel_err`) of a result that is one ulp of ``dtype`` off
+    ``ref`` in every element: ``||ulp(ref)|| / ||ref||`` (ulps below ``dtype``'s smallest
+    normal taken at it).
+
+    A floor for tensors of a few dozen elements, where one implementation's error being
+    1.25x another's is chance: one element's rounding dominates the norm. Rounding once
+    errs by at most half an ulp per element, rounding twice by about one; a wrong layout or a
+    lost term errs by far more."""
+    info = torch.finfo(dtype)
+    r = ref.detach().double()
+    ulp = torch.exp2(torch.floor(torch.log2(r.abs().clamp(min=info.tiny)))) * info.eps
+    return float(ulp.norm() / r.norm().clamp(min=torch.finfo(torch.float64).tiny))
+
+
 @pytest.fixture(scope="session")
 def oracle():
-    """``oracle.loss(...)`` (float64 loss) and ``oracle.rel_err(a, b)``."""
-    return SimpleNamespace(loss=oracle_loss, rel_err=rel_err)
+    """``oracle.loss(...)`` (float64 loss), ``oracle.rel_err(a, b)`` and
+    ``oracle.one_ulp_err(ref, dtype)``."""
+    return SimpleNamespace(loss=oracle_loss, rel_err=rel_err, one_ulp_err=one_ulp_err)

@@ -39,14 +39,17 @@ def _interpreter(monkeypatch):
 
 
 def _check(oracle, out):
-    """As ``test_triton_zero_inplace._check``, or within twice the error of the float64 result
-    rounded to the dtype: with M = 1 or H = 2, dH has so few elements that two exact methods'
-    errors differ by chance by more than :data:`SLACK`."""
+    """As ``test_triton_zero_inplace._check``, or within one ulp per element
+    (``oracle.one_ulp_err``): with M = 1 or H = 2 the gradients have so few elements that
+    one element's rounding decides the norm, and two exact methods' errors differ by chance
+    by more than :data:`SLACK`. Measured on the H = 2 case, 500 seeds: dW's error up to 2.4x
+    PyTorch's (one dW row that is a target is rounded twice, module docstring of
+    ``zero_logits_inplace``), but at most 0.59 of the one-ulp error (PyTorch's: 1.28)."""
     for i, (ours, ref, theirs) in enumerate(zip(out["ours"], out["ref"], out["torch"])):
         assert torch.isfinite(ours).all()
         e, e_torch = oracle.rel_err(ours, ref), oracle.rel_err(theirs, ref)
-        e_round = oracle.rel_err(ref.to(ours.dtype), ref)
-        assert e <= SLACK * e_torch + 1e-6 or e <= 2 * e_round, (i, e, e_torch, e_round)
+        e_ulp = oracle.one_ulp_err(ref, ours.dtype)
+        assert e <= SLACK * e_torch + 1e-6 or e <= e_ulp, (i, e, e_torch, e_ulp)
 
 
 class Log:
@@ -162,11 +165,7 @@ def test_l2_rule_narrows_both_loops(oracle, log, monkeypatch, compact):
 
 
 @pytest.mark.parametrize("tail", [1, 4, 1000], ids=["one-col", "four-col", "large"])
-@pytest.mark.parametrize("hsize, vocab", [
-    pytest.param(2, 35, marks=pytest.mark.xfail(strict=False, reason=(
-        "H = 2: with FUSED_CE_TEST_SEED=3841340137 (one-col) dW's error was 2.4x PyTorch's "
-        "(5.1e-4 vs 2.1e-4) on a 70-element dW; not yet known whether chance or a defect"))),
-    (3, 35), (17, 35), (40, 25)])  # fmt: skip
+@pytest.mark.parametrize("hsize, vocab", [(2, 35), (3, 35), (17, 35), (40, 25)])
 def test_layout_at_small_and_odd_widths(oracle, log, monkeypatch, tail, hsize, vocab):
     """H = 2 or 3 (one column a chunk of dH's storage), 17 with M H odd (the accumulator's
     start rounded down to 16 bytes, the tail loop's logits rounded up), or 40 with V = 2M + 3:
