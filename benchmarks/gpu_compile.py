@@ -41,6 +41,9 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, profile one more step: kernel time, device idle "
+                        "time and the top kernels, in profile_<variant>.txt and a Chrome trace")
     args = p.parse_args()
     if args.tiny:
         args.batch, args.seq, args.steps, args.warmup = 1, 32, 1, 1
@@ -76,6 +79,13 @@ def main():
         else:
             print(f"| {r['variant']} | {r['ms']:.1f} | {r['peak_gib']:.2f} | {r['loss']:.4f} | "
                   f"{r['graph_breaks']} |")
+    if any("prof_wall_ms" in r for r in rows):
+        print("\n| variant | profiled step ms | kernel ms (sum) | device busy ms | idle inside span ms |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            if "prof_wall_ms" in r:
+                print(f"| {r['variant']} | {r['prof_wall_ms']} | {r['prof_kernel_ms']} | "
+                      f"{r['prof_busy_ms']} | {r['prof_idle_in_span_ms']} |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_compile.json"), "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
@@ -116,9 +126,67 @@ def run_one(torch, variant, args, dev):
     times = timing.ms
     peak = timing.peak_bytes / 2**30 if dev == "cuda" else 0.0
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    row = {"ms": timing.median, "ms_all": times, "peak_gib": peak, "loss": first,
+           "graph_breaks": breaks}
+    if args.profile:
+        row.update(profile_step(torch, step, variant, args.out, dev))
     del model, opt, run
-    return {"ms": timing.median, "ms_all": times, "peak_gib": peak, "loss": first,
-            "graph_breaks": breaks}
+    return row
+
+
+def profile_step(torch, step, variant, out, dev):
+    """One step under ``torch.profiler``: is a gap kernel time or time the device sits idle?
+
+    Returns the step's wall ms, the summed kernel ms and the device's idle ms (wall minus the
+    union of kernel intervals); writes the top kernels by device time to profile_<variant>.txt
+    and the trace to profile_<variant>.json.gz (chrome://tracing, Perfetto).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    step()  # leave the profiler's own first-call cost out
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        step()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy = 0.0
+    kernel_sum = sum(b - a for a, b in spans) / 1e3
+    cur_a = cur_b = None
+    for a, b in spans:
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                busy += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        busy += cur_b - cur_a
+    first = spans[0][0] if spans else 0
+    last = max((b for _, b in spans), default=0)
+    os.makedirs(out, exist_ok=True)
+    sort = "self_cuda_time_total" if dev == "cuda" else "self_cpu_time_total"
+    with open(os.path.join(out, f"profile_{variant}.txt"), "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=90))
+        f.write("\n\nBy total (self + children) time: which ops the kernels ran under\n")
+        f.write(prof.key_averages().table(sort_by=sort.replace("self_", ""), row_limit=30,
+                                          max_name_column_width=90))
+    prof.export_chrome_trace(os.path.join(out, f"profile_{variant}.json"))
+    import gzip
+    import shutil
+
+    with open(os.path.join(out, f"profile_{variant}.json"), "rb") as src, \
+            gzip.open(os.path.join(out, f"profile_{variant}.json.gz"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(os.path.join(out, f"profile_{variant}.json"))
+    return {"prof_wall_ms": round(wall, 2), "prof_kernel_ms": round(kernel_sum, 2),
+            "prof_busy_ms": round(busy / 1e3, 2),
+            "prof_idle_in_span_ms": round((last - first - busy) / 1e3, 2)}
 
 
 if __name__ == "__main__":

@@ -69,11 +69,14 @@ def log(monkeypatch):
         out.events.append([])
         return backward(p, *args, **kw)
 
-    def spy_grad(self, buf, v0, v1):
+    def spy_grad(self, buf, v0, v1, room):
+        rows = self.h.shape[0]
+        z, _ = zi._overlay(buf, rows, v1 - v0, room)  # the logits' extent, padded rows included
+        extent = 2 * ((rows - 1) * z.stride(0) + (v1 - v0)) if rows else 0
         out.events[-1].append(("grad", buf.untyped_storage().data_ptr(), buf.storage_offset(),
-                               self.h.shape[0], v0, v1,
-                               self.h.untyped_storage().data_ptr()))  # fmt: skip
-        return grad(self, buf, v0, v1)
+                               rows, v0, v1, self.h.untyped_storage().data_ptr(),
+                               extent, z.stride(0)))  # fmt: skip
+        return grad(self, buf, v0, v1, room)
 
     def spy_dweight(self, g, dw, db, v0, v1):
         out.events[-1].append(("dw", dw.untyped_storage().data_ptr(), v0, v1))
@@ -100,7 +103,7 @@ def _check_layout(log: Log, n: int, m: int, vocab: int, hsize: int) -> None:
         if e[0] == "dw":
             written.append((e[2] * hsize, e[3] * hsize))
             continue
-        _, ptr, off, rows, v0, v1, h_ptr = e
+        _, ptr, off, rows, v0, v1, h_ptr, extent, _ = e
         # the tail loop: all N rows (counted-rows pass) or off dH's storage (all-rows pass)
         in_tail = in_tail or (rows == n if p.compact else ptr != first_ptr)
         cols["tail" if in_tail else "first"].append((v0, v1))
@@ -109,7 +112,7 @@ def _check_layout(log: Log, n: int, m: int, vocab: int, hsize: int) -> None:
             assert ptr != h_ptr, e  # not on the gathered hidden rows
         if ptr != dw_ptr:
             continue
-        span = (off, off + 2 * rows * (v1 - v0))
+        span = (off, off + extent)
         busy = written + [(v0 * hsize, v1 * hsize)] + ([] if in_tail else [acc])
         for a, b in busy:
             assert span[1] <= a or b <= span[0], (e, (a, b), p)
@@ -162,6 +165,25 @@ def test_l2_rule_narrows_both_loops(oracle, log, monkeypatch, compact):
     widths = {e[5] - e[4] for e in log.events[0] if e[0] == "grad"}
     assert widths <= {1, 2, 3, 4} and 2 in widths  # the scratch: 3 columns of 31 rows, 4 of 20
     _check_layout(log, 31, 20, 97, 14)
+
+
+@pytest.mark.parametrize("compact", [True, False], ids=["counted-rows", "all-rows"])
+def test_chunk_rows_aligned(oracle, log, monkeypatch, compact):
+    """Every chunk's float32 logits rows start 16 bytes apart (``COL_ALIGN``), where H / 2 = 25,
+    V = 997 and the scratch buffer's 37 columns are not multiples of it: the widths cut to
+    multiples, the remainders padded (cuBLAS's Hopper kernels need the alignment). The
+    padded rows stay off storage in use (layout check) and the gradients exact."""
+    _force_compact(monkeypatch, compact)
+    monkeypatch.setattr(zi, "TAIL_SCRATCH_BYTES", 4 * 40 * 37)
+    hidden, weight, labels, b = make(CASE, (40,), 50, 997, dtype=torch.bfloat16, bias=True,
+                                     ignore_frac=0.3, logit_std=3.0)  # fmt: skip
+    _check(oracle, _run(oracle, hidden, weight, labels, b))
+    assert log.plans[0].compact == compact
+    grads = [e for e in log.events[0] if e[0] == "grad"]
+    assert all(e[8] % zi.COL_ALIGN == 0 for e in grads), [(e[5] - e[4], e[8]) for e in grads]
+    assert any((e[5] - e[4]) % zi.COL_ALIGN for e in grads)  # a padded remainder was taken
+    m = int((labels != -100).sum())
+    _check_layout(log, 40, m, 997, 50)
 
 
 @pytest.mark.parametrize("tail", [1, 4, 1000], ids=["one-col", "four-col", "large"])

@@ -74,6 +74,11 @@ MIN_TAIL_COLS = 16
 MAX_CHUNK_COLS: int | None = None
 #: Fewest columns a chunk is cut to for the L2 cache: narrower matmuls lose more than L2 gains.
 MIN_L2_CHUNK_COLS = 128
+#: Chunk widths are cut to a multiple of this many columns where room allows, and the rows of a
+#: chunk's float32 logits padded to one: rows of a multiple of 16 bytes let cuBLAS take its
+#: Hopper kernels. Unaligned chunks (e.g. 5735 x 1629) ran on sm80-era fallbacks, 11 ms of a
+#: 56 ms Llama-3 backward on an H200 (BENCHMARKS.md, 2026-12-02 afternoon).
+COL_ALIGN = 8
 #: Whether the first pass may run over the counted rows only (:func:`_compact_pays`).
 COMPACT = True
 #: Least fraction of matmul work the counted-rows pass must save to be taken, and the largest
@@ -120,7 +125,7 @@ def plan(hidden, weight, launchers, need_h: bool, need_w: bool, n_valid: int):
     n = h2.shape[0]
     if n > MAX_ROWS_PER_HIDDEN * hsize:
         return None
-    tail_cols = TAIL_SCRATCH_BYTES // (4 * n)  # float32 logits
+    tail_cols = _cols(_tail_room(n))  # float32 logits
     if hsize < 2 or tail_cols < MIN_TAIL_COLS:
         return None
     m = n_valid
@@ -146,7 +151,7 @@ def _compact_pays(n: int, m: int, vocab: int, hsize: int) -> bool:
     if not COMPACT or m >= n or 2 * m > COMPACT_MAX_UNDER * vocab:
         return False
     acc_start = _acc_start(vocab, hsize, m)
-    if acc_start // (2 * m) < MIN_TAIL_COLS or TAIL_SCRATCH_BYTES // (4 * m) < MIN_TAIL_COLS:
+    if acc_start // (2 * m) < MIN_TAIL_COLS or _tail_room(m) < MIN_TAIL_COLS:
         return False
     full = 3 * vocab * n + 2 * n * n
     counted = 3 * vocab * m - 2 * m * m + 4 * m * n
@@ -168,7 +173,13 @@ def _acc_view(dw: torch.Tensor, start: int, rows: int) -> torch.Tensor:
 def _chunk_width(rows: int, hsize: int, device) -> int:
     """Columns of one chunk of ``rows`` rows: H / 2 (float32 logits of N rows fill dH's N * H
     16-bit elements), or fewer for the L2 cache (:func:`chunk_cols`)."""
-    return min(max(1, hsize // 2), chunk_cols(rows, device))
+    return min(_cols(max(1, hsize // 2)), chunk_cols(rows, device))
+
+
+def _cols(room: int) -> int:
+    """The widest chunk that ``room`` float32 columns hold, cut to a multiple of
+    ``COL_ALIGN`` (``room`` itself where it is less than one)."""
+    return room // COL_ALIGN * COL_ALIGN if room >= COL_ALIGN else room
 
 
 def _cuda_fp32_out_matmuls() -> bool:
@@ -225,11 +236,16 @@ def _mm_fp32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.mm(a.float(), b.float(), out=out)
 
 
-def _overlay(buf: torch.Tensor, n: int, c: int):
+def _overlay(buf: torch.Tensor, n: int, c: int, room: int):
     """``(z, g)`` on the 16-bit 1-D ``buf`` (16-byte aligned start): float32 ``z [n, c]`` and
-    the 16-bit ``g [n, c]`` whose row ``r`` starts at the first byte of ``z``'s row ``r``."""
-    flat = buf[: 2 * n * c]
-    return flat.view(torch.float32).view(n, c), flat.view(n, 2 * c)[:, :c]
+    the 16-bit ``g [n, c]`` whose row ``r`` starts at the first byte of ``z``'s row ``r``. Rows
+    are ``c`` rounded up to ``COL_ALIGN`` float32 elements apart where that fits in ``room``
+    (``buf`` holds ``n`` rows of ``room`` float32 elements for this chunk), else ``c``."""
+    stride = -(-c // COL_ALIGN) * COL_ALIGN
+    if stride > room:
+        stride = c
+    flat = buf[: 2 * n * stride]
+    return flat.view(torch.float32).view(n, stride)[:, :c], flat.view(n, 2 * stride)[:, :c]
 
 
 class _Chunks:
@@ -256,10 +272,10 @@ class _Chunks:
         scale.index_copy_(0, valid_rows, row_scale)
         return cls(h2, weight, bias, labels, lse_n, scale, spec, launchers)
 
-    def grad(self, buf: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
+    def grad(self, buf: torch.Tensor, v0: int, v1: int, room: int) -> torch.Tensor:
         """``G [rows, v1 - v0]`` (input dtype) of the columns ``[v0, v1)``, from float32
-        logits, both in ``buf``'s first ``4 rows (v1 - v0)`` bytes (:func:`_overlay`)."""
-        z, g = _overlay(buf, self.h.shape[0], v1 - v0)
+        logits, both in ``buf``'s first ``4 rows room`` bytes (:func:`_overlay`)."""
+        z, g = _overlay(buf, self.h.shape[0], v1 - v0, room)
         _mm_fp32_into(z, self.h, self.weight[v0:v1].t())
         self.launchers.logits_grad_cols(z, g, self.bias, self.labels, self.lse, self.p_scale,
                                         self.scale, v0, self.weight.shape[0],
@@ -300,19 +316,24 @@ def backward(p: InPlacePlan, hidden, weight, bias, valid_rows, y_valid, row_off,
     lo, hi = p.v_acc, vocab
     while hi > lo:
         start = -(-lo * hsize // _ALIGN) * _ALIGN
-        c = max(0, hi * hsize - start) // (2 * n + hsize)
+        c = _cols(max(0, hi * hsize - start) // (2 * n + hsize))
         c = min(c, max(width, p.tail_cols))
         if c >= p.tail_cols:
-            buf = flat_w[start:]
+            buf, room = flat_w[start:], c
         else:
             c = min(hi - lo, p.tail_cols)
-            buf = tail.get()
-        g = every.grad(buf, hi - c, hi)
+            buf, room = tail.get(), _tail_room(n)
+        g = every.grad(buf, hi - c, hi, room)
         every.dweight(g, dw, db, hi - c, hi)
         hi -= c
 
     launchers.target_dweight(dw, db, y_valid, coef, hidden, row_off)
     return dh, dw, db
+
+
+def _tail_room(rows: int) -> int:
+    """float32 columns of ``rows`` rows that the scratch buffer holds."""
+    return TAIL_SCRATCH_BYTES // (4 * rows)
 
 
 class _Scratch:
@@ -339,7 +360,7 @@ def _first_pass_all(p: InPlacePlan, every: _Chunks, dh, dw, db, valid_rows, y_va
     below = [(v0, min(v0 + width, p.v_acc)) for v0 in range(0, p.v_acc, width)]
     under = [(v0, min(v0 + width, vocab)) for v0 in range(p.v_acc, vocab, width)]
     for v0, v1 in below + under:
-        g = every.grad(spare, v0, v1)
+        g = every.grad(spare, v0, v1, max(1, hsize // 2))
         _addmm_fp32_(acc, g, every.weight[v0:v1])
         if v1 <= p.v_acc:
             every.dweight(g, dw, db, v0, v1)
@@ -363,23 +384,24 @@ def _first_pass_counted(p: InPlacePlan, counted: _Chunks, dh, dw, db, valid_rows
     acc.zero_()
     weight = counted.weight
     width = _chunk_width(m, hsize, dh.device)
-    tail_cols = TAIL_SCRATCH_BYTES // (4 * m)
+    tail_cols = _cols(_tail_room(m))
     # the columns under acc first (their dW comes from all rows later), logits from row 0 on
-    w_under = min(width, p.acc_start // (2 * m))
+    room_under = p.acc_start // (2 * m)
+    w_under = min(width, _cols(room_under))
     for v0 in range(p.v_acc, vocab, w_under):
         v1 = min(v0 + w_under, vocab)
-        g = counted.grad(flat_w, v0, v1)
+        g = counted.grad(flat_w, v0, v1, room_under)
         _addmm_fp32_(acc, g, weight[v0:v1])
     # then the rest, top down, logits below the chunk: 2 M c <= (hi - c) H
     hi = p.v_acc
     while hi > 0:
-        c = min(width, hi * hsize // (2 * m + hsize))
+        c = min(width, _cols(hi * hsize // (2 * m + hsize)))
         if c >= tail_cols:
-            buf = flat_w
+            buf, room = flat_w, c
         else:
             c = min(hi, tail_cols)
-            buf = tail.get()
-        g = counted.grad(buf, hi - c, hi)
+            buf, room = tail.get(), _tail_room(m)
+        g = counted.grad(buf, hi - c, hi, room)
         _addmm_fp32_(acc, g, weight[hi - c : hi])
         counted.dweight(g, dw, db, hi - c, hi)
         hi -= c
