@@ -10,6 +10,9 @@ stock loss itself rounds the logits to float32), or in float32 (1e-5, 1e-4) when
 model cannot run in float64 (e.g. MoE experts through ``torch._grouped_mm``).
 The patched copy must prove that the fused path ran: its ``outputs.logits`` is the
 :class:`~fused_ce_patch.hf.sentinel.NotMaterializedLogits` sentinel, the stock one a tensor.
+The tiny model runs on the CPU; where its stock forward cannot (a device-only kernel patched
+into the modeling module, such as Liger-Kernel's Triton RMSNorm), the proof runs again on the
+user's model's device (:func:`prove`).
 
 Nothing outside the proof notices it: torch's RNG is forked (the user's stream is not consumed),
 grad mode, the default dtype, warning filters and transformers' log verbosity are left as
@@ -211,9 +214,10 @@ class _DropRecords(logging.Filter):
 
 
 @contextlib.contextmanager
-def _isolated():
-    """Forked RNG, grad on, CPU and float32 defaults (the caller's restored), warnings and
-    transformers' notes silenced, our logs about the tiny copy held back."""
+def _isolated(dev: torch.device):
+    """Forked RNG (CPU's, and ``dev``'s), grad on, ``dev`` and float32 defaults (the caller's
+    restored), warnings and transformers' notes silenced, our logs about the tiny copy held
+    back."""
     from transformers.utils import logging as hf_logging
 
     dtype = torch.get_default_dtype()
@@ -227,9 +231,14 @@ def _isolated():
         for lg in ours:
             lg.addFilter(quiet)
         torch.set_default_dtype(torch.float32)  # a tiny model as transformers builds it
-        # CPU whatever the caller's default device (the batches use a CPU generator)
-        with torch.random.fork_rng(devices=[]), torch.enable_grad(), torch.device("cpu"), \
-                warnings.catch_warnings():
+        # CPU (or the retry's device) whatever the caller's default device
+        if dev.type == "cpu":
+            rng = torch.random.fork_rng(devices=[])
+        else:
+            index = dev.index if dev.index is not None else \
+                getattr(torch, dev.type).current_device()
+            rng = torch.random.fork_rng(devices=[index], device_type=dev.type)
+        with rng, torch.enable_grad(), torch.device(dev), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
@@ -250,13 +259,20 @@ def register_patcher(apply, revert) -> None:
     _PATCHER[:] = [apply, revert]
 
 
-def prove(cls: type, spec, model_type: str | None = None) -> dict:
+def prove(cls: type, spec, model_type: str | None = None, device=None) -> dict:
     """Compare ``cls``'s live stock forward with the patched copy on a tiny random model.
+
+    The tiny model runs on the CPU. Where its stock forward cannot run there (a module the
+    user's process replaced with a device-only kernel, e.g. Liger-Kernel's Triton RMSNorm,
+    RoPE and GeGLU patched into transformers' modeling module) and ``device`` is another
+    device, the whole proof runs again on ``device`` (its RNG forked too) and that result
+    counts; the row then has ``device`` and ``cpu_reason``.
 
     Args:
         cls: the transformers causal-LM class (the one the user's model is an instance of).
         spec: its :class:`~fused_ce_patch.hf.architectures.ArchSpec` (already derived).
         model_type: ``config.model_type`` of the user's model; None: ``cls.config_class``'s.
+        device: the user's model's device (``torch.device`` or str), or None.
 
     Returns:
         A result row: ``status`` (``"pass"``; ``"fail"``: the numbers differ; ``"unbuildable"``:
@@ -267,16 +283,41 @@ def prove(cls: type, spec, model_type: str | None = None) -> dict:
 
     Source: the parity sweep of issue 10 (:mod:`.sweep`), moved to the user's machine.
     """
-    from .tiny import _batches
-
     if not _PATCHER:
         raise RuntimeError("fused_ce_patch.hf.proof needs fused_ce_patch.hf.patch imported")
-    apply_fused_ce, revert_fused_ce = _PATCHER
+    row = _prove_on(cls, spec, model_type, torch.device("cpu"))
+    dev = _retry_device(device)
+    if dev is not None and _stock_failed(row):
+        cpu_reason = row["reason"]
+        row = _prove_on(cls, spec, model_type, dev)
+        row.update(device=str(dev), cpu_reason=cpu_reason)
+        if row["status"] != "pass":
+            row["reason"] = f"on {dev}: {row.get('reason', '')}; on cpu: {cpu_reason}"
+    return row
 
+
+def _retry_device(device) -> torch.device | None:
+    """``device`` as a ``torch.device`` where a proof could run there, else None."""
+    if device is None:
+        return None
+    dev = torch.device(device)
+    return None if dev.type in ("cpu", "meta") else dev
+
+
+def _stock_failed(row: dict) -> bool:
+    """Whether the tiny stock model was built but its forward raised (see :func:`prove`)."""
+    return row["status"] == "unbuildable" and row.get("reason", "").startswith("stock forward")
+
+
+def _prove_on(cls: type, spec, model_type: str | None, dev: torch.device) -> dict:
+    """:func:`prove` on one device."""
+    from .tiny import _batches
+
+    apply_fused_ce, revert_fused_ce = _PATCHER
     start = time.perf_counter()
     row: dict = {"status": "error", "reason": ""}
     patched = None
-    with _isolated():
+    with _isolated(dev):
         try:
             torch.manual_seed(0)
             try:
@@ -286,7 +327,11 @@ def prove(cls: type, spec, model_type: str | None = None) -> dict:
                 raise _Unbuildable(f"tiny model: {type(exc).__name__}: "
                                    f"{_short(exc)}") from None
             base.train()
-            batches = _batches(config, torch)
+            with torch.device("cpu"):  # the batches come from a CPU generator
+                batches = _batches(config, torch)
+            if dev.type != "cpu":
+                batches = {name: {k: v.to(dev) if isinstance(v, torch.Tensor) else v
+                                  for k, v in batch.items()} for name, batch in batches.items()}
             class_patched = _uses_patched_class_forward(cls)
             want = None
             for dtype in (torch.float64, torch.float32):
@@ -467,13 +512,15 @@ def _write_disk(key: str, row: dict) -> None:
 # -- the gate ------------------------------------------------------------------------------------
 
 
-def ensure_proven(cls: type, spec, model_type: str | None = None) -> None:
+def ensure_proven(cls: type, spec, model_type: str | None = None, device=None) -> None:
     """Prove ``cls`` on this machine (or find the proof cached), or refuse it.
 
     Args:
         cls: the causal-LM class about to be patched.
         spec: its derived :class:`~fused_ce_patch.hf.architectures.ArchSpec`.
         model_type: the model's ``config.model_type`` (None: the class config's).
+        device: the model's device: where the proof runs again if the tiny stock model cannot
+            run on the CPU (:func:`prove`); None: the CPU only.
 
     Raises:
         UnsupportedModelError: the patched copy differs from the stock forward (the numbers in
@@ -488,11 +535,14 @@ def ensure_proven(cls: type, spec, model_type: str | None = None) -> None:
 
     memo_key = _memo_key(cls, spec)
     row = _MEMO.get(memo_key)
+    if row is not None and _stock_failed(row) and "device" not in row and \
+            _retry_device(device) is not None:
+        row = None  # refused on the CPU alone; the model's device may run the stock forward
     if row is None:
         key = disk_key(cls, spec, model_type)
         row = _read_disk(key) if key is not None else None
         if row is None:
-            row = prove(cls, spec, model_type)
+            row = prove(cls, spec, model_type, device)
             if row["status"] == "pass" and key is not None:
                 _write_disk(key, row)
         _MEMO[memo_key] = row

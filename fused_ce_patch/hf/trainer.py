@@ -307,7 +307,7 @@ class FusedCECallback(TrainerCallback):
 def _refusal(model) -> str | None:
     """Why ``apply_fused_ce`` would refuse ``model`` (a short reason), or None."""
     from ..errors import UnsupportedModelError
-    from .patch import spec_for_class
+    from .patch import model_device, spec_for_class
 
     target = unwrap_causal_lm(model)
     if not callable(getattr(target, "get_output_embeddings", None)) or \
@@ -315,7 +315,8 @@ def _refusal(model) -> str | None:
         return (f"{type(target).__name__} has no vocabulary head (lm_head), so there is no "
                 f"causal-LM loss to fuse")
     try:
-        spec_for_class(type(target), getattr(getattr(target, "config", None), "model_type", None))
+        spec_for_class(type(target), getattr(getattr(target, "config", None), "model_type", None),
+                       device=model_device(target))
     except UnsupportedModelError as exc:
         return f"{type(target).__name__} is not supported ({str(exc).split('; ')[0][:300]})"
     return None

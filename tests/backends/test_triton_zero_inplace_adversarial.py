@@ -258,8 +258,8 @@ def test_policy_boundary():
     m_edge = max(m for m in range(1, n) if saving(m) >= zi.COMPACT_MIN_SAVING)
     assert zi._compact_pays(n, m_edge, vocab, hsize)
     assert not zi._compact_pays(n, m_edge + 1, vocab, hsize)
-    assert zi._compact_pays(1000, 350, 2000, hsize)  # 2M = 700 = 0.35 V
-    assert not zi._compact_pays(1000, 351, 2000, hsize)
+    assert zi._compact_pays(1000, 400, 2000, hsize)  # 2M = 800 = 0.4 V
+    assert not zi._compact_pays(1000, 401, 2000, hsize)
 
 
 def test_strided_bias_everywhere(oracle, monkeypatch):

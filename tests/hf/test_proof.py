@@ -328,3 +328,70 @@ def test_sweep_and_runtime_share_the_proof(monkeypatch):
     assert row["status"] == "pass" and row["dtype"] == "float64", row
     assert seen == [transformers.LlamaForCausalLM]
     assert not any(proof.cache_dir().glob("*.json"))  # the sweep keeps no cache
+
+
+@pytest.fixture
+def device_only_norm(next_release, monkeypatch):
+    """The private release's RMSNorm made a device-only kernel (as Liger's Triton RMSNorm
+    patched into a modeling module): it raises on CPU tensors until ``state["on_device"]``."""
+    state = {"on_device": False}
+    real = next_release.LlamaRMSNorm.forward
+
+    def forward(self, hidden_states):
+        if not state["on_device"]:
+            raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+        return real(self, hidden_states)
+
+    monkeypatch.setattr(next_release.LlamaRMSNorm, "forward", forward)
+    return state
+
+
+def test_a_device_only_module_is_proven_on_the_models_device(next_release, device_only_norm,
+                                                             monkeypatch):  # fmt: skip
+    """The tiny model's stock forward raises on the CPU: the proof runs again on the model's
+    device and that result counts. No second device here, so the retry's device is the CPU
+    with the kernel "on device" from the second run on; the device moves are no-ops."""
+    cls = next_release.LlamaForCausalLM
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**tiny._shrink_kwargs(transformers.LlamaConfig, "llama"))
+    model = cls(config).train()
+    with pytest.raises(UnsupportedModelError, match="stock forward: ValueError: Pointer"):
+        apply_fused_ce(model, backend="torch")  # a CPU model: nowhere else to try
+    runs = []
+    real_prove_on = proof._prove_on
+
+    def prove_on(cls_, spec, model_type, dev):
+        runs.append(dev)
+        device_only_norm["on_device"] = len(runs) > 1
+        return real_prove_on(cls_, spec, model_type, dev)
+
+    monkeypatch.setattr(proof, "_prove_on", prove_on)
+    monkeypatch.setattr(proof, "_retry_device", lambda device: torch.device(device))
+    apply_fused_ce(model, backend="torch")  # the memo's CPU-only refusal is not final
+    assert len(runs) == 2
+    row = proof._MEMO[proof._memo_key(cls, derive_spec(cls))]
+    assert row["status"] == "pass" and row["device"] == "cpu", row
+    assert "Pointer argument" in row["cpu_reason"]
+
+
+def test_a_device_retry_that_differs_is_refused_with_both_reasons(next_release, device_only_norm,
+                                                                  monkeypatch):  # fmt: skip
+    """On the retry device the stock forward runs but the fused copy is off (the fused loss
+    scaled by 1.01): refused with the numbers and the CPU's reason."""
+    cls = next_release.LlamaForCausalLM
+    real_prove_on = proof._prove_on
+
+    runs = []
+
+    def prove_on(cls_, spec, model_type, dev):
+        runs.append(dev)
+        device_only_norm["on_device"] = len(runs) > 1
+        return real_prove_on(cls_, spec, model_type, dev)
+    monkeypatch.setattr(proof, "_prove_on", prove_on)
+    real_loss = hf_head.fused_linear_cross_entropy
+    monkeypatch.setattr(hf_head, "fused_linear_cross_entropy",
+                        lambda *a, **k: real_loss(*a, **k) * 1.01)
+    monkeypatch.setattr(proof, "_retry_device", lambda device: torch.device("cpu"))
+    row = proof.prove(cls, derive_spec(cls), "llama", device="cpu")
+    assert row["status"] == "fail" and row["device"] == "cpu", row
+    assert row["reason"].startswith("on cpu: float64 ") and "Pointer argument" in row["reason"]

@@ -82,11 +82,13 @@ COL_ALIGN = 8
 #: Whether the first pass may run over the counted rows only (:func:`_compact_pays`).
 COMPACT = True
 #: Least fraction of matmul work the counted-rows pass must save to be taken, and the largest
-#: share of the vocabulary under its accumulator (2M / V). On an H200 it was 22-26 % faster
-#: with 40 % of rows ignored (saving 0.37-0.40 by the count below), 0-10 % slower with 10 %
-#: (0.09-0.10), 53 % slower at Llama-2's V = 32000 with 10 % (2M / V = 0.46).
-COMPACT_MIN_SAVING = 0.2
-COMPACT_MAX_UNDER = 0.35
+#: share of the vocabulary under its accumulator (2M / V). On an H200, with aligned chunks
+#: (``COL_ALIGN``), it was 3-6 % faster than the all-rows pass with 10 % of rows ignored
+#: (saving 0.095-0.10 by the count below; Llama-3, Qwen2.5, Gemma-2, Llama-3 at 32K rows),
+#: 16-22 % with 30 %, 9 % at Llama-2's V = 32000 with 30 % (2M / V = 0.36), and as fast
+#: there with 10 % (2M / V = 0.46). BENCHMARKS.md, 2026-12-02 afternoon.
+COMPACT_MIN_SAVING = 0.08
+COMPACT_MAX_UNDER = 0.4
 #: float32 accumulator start, in 16-bit elements: 16-byte aligned for the matmuls.
 _ALIGN = 8
 
