@@ -321,7 +321,7 @@ def backward(p: InPlacePlan, hidden, weight, bias, valid_rows, y_valid, row_off,
         c = _cols(max(0, hi * hsize - start) // (2 * n + hsize))
         c = min(c, max(width, p.tail_cols))
         if c >= p.tail_cols:
-            buf, room = flat_w[start:], c
+            buf, room = flat_w[start:], c  # only c columns are free there: no padding
         else:
             c = min(hi - lo, p.tail_cols)
             buf, room = tail.get(), _tail_room(n)
@@ -399,7 +399,7 @@ def _first_pass_counted(p: InPlacePlan, counted: _Chunks, dh, dw, db, valid_rows
     while hi > 0:
         c = min(width, _cols(hi * hsize // (2 * m + hsize)))
         if c >= tail_cols:
-            buf, room = flat_w, c
+            buf, room = flat_w, c  # only c columns are free there: no padding
         else:
             c = min(hi, tail_cols)
             buf, room = tail.get(), _tail_room(m)
