@@ -232,12 +232,14 @@ def _isolated(dev: torch.device):
             lg.addFilter(quiet)
         torch.set_default_dtype(torch.float32)  # a tiny model as transformers builds it
         # CPU (or the retry's device) whatever the caller's default device
-        if dev.type == "cpu":
-            rng = torch.random.fork_rng(devices=[])
-        else:
-            index = dev.index if dev.index is not None else \
-                getattr(torch, dev.type).current_device()
-            rng = torch.random.fork_rng(devices=[index], device_type=dev.type)
+        rng = torch.random.fork_rng(devices=[])
+        if dev.type != "cpu":
+            try:
+                index = dev.index if dev.index is not None else \
+                    getattr(torch, dev.type).current_device()
+                rng = torch.random.fork_rng(devices=[index], device_type=dev.type)
+            except (AttributeError, RuntimeError, TypeError):
+                pass  # a device type without per-index RNG state: its generator is not forked
         with rng, torch.enable_grad(), torch.device(dev), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
@@ -289,7 +291,10 @@ def prove(cls: type, spec, model_type: str | None = None, device=None) -> dict:
     dev = _retry_device(device)
     if dev is not None and _stock_failed(row):
         cpu_reason = row["reason"]
-        row = _prove_on(cls, spec, model_type, dev)
+        try:
+            row = _prove_on(cls, spec, model_type, dev)
+        except Exception as exc:  # noqa: BLE001 - the retry itself could not be set up
+            row = {"status": "unbuildable", "reason": f"{type(exc).__name__}: {_short(exc)}"}
         row.update(device=str(dev), cpu_reason=cpu_reason)
         if row["status"] != "pass":
             row["reason"] = f"on {dev}: {row.get('reason', '')}; on cpu: {cpu_reason}"
