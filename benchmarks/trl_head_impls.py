@@ -4,6 +4,11 @@
 LM head (``trl.kernels.ChunkedLogProbFunction``) or ``fused_linear_token_stats`` computing the
 same outputs (SFT: log-probs, entropy, top-1; GRPO: per-token weights), and the plain fused loss.
 Kept apart from both scripts so that neither imports the other.
+
+TRL's backward imports ``maybe_gather_lm_head_ctx`` from ``trl.trainer.utils``, which imports
+``datasets`` (and pandas, pyarrow: ~60 MB of wheels the GPU machine lacks). Where that import
+fails, :func:`_trl_utils_stand_in` registers a module with that one function as TRL defines it
+without DeepSpeed ZeRO-3 (a null context), which is what it returns on one GPU.
 """
 
 from __future__ import annotations
@@ -37,12 +42,28 @@ def reference_weighted(torch, data, softcap):
     return {"loss": loss.detach(), "dh": dh, "dw": dw}
 
 
+def _trl_utils_stand_in():
+    """Make ``from trl.trainer.utils import maybe_gather_lm_head_ctx`` work without datasets."""
+    import contextlib
+    import sys
+    import types
+
+    try:
+        import trl.trainer.utils  # noqa: F401
+    except ImportError as exc:
+        stand_in = types.ModuleType("trl.trainer.utils")
+        stand_in.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
+        sys.modules["trl.trainer.utils"] = stand_in
+        print(f"trl.trainer.utils stand-in (no ZeRO-3 gather): {exc}", file=sys.stderr)
+
+
 def build(torch, impl, softcap):
     sft = ("log_probs", "entropy", "is_top1")
     grpo = impl.endswith("-grpo")
     if impl.startswith("trl"):
         from trl.kernels import ChunkedLogProbFunction
 
+        _trl_utils_stand_in()
         outputs = ("log_probs",) if impl == "trl-logp" else sft
 
         def trl_head(hidden, weight, labels):

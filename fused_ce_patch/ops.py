@@ -1,24 +1,41 @@
 """The fused loss as ``torch.library`` custom ops, so ``torch.compile`` sees one opaque call.
 
 Under Dynamo (``torch.compiler.is_compiling()``), :func:`~fused_ce_patch.fused_linear_cross_entropy`
-hands its tensors to ``fused_ce::linear_cross_entropy`` instead of running the backend inline.
-Dynamo and Inductor then never trace the validation (one host synchronisation for the label
-range and count), the backends' ``.item()`` or the launcher objects: the op has a
-fake (meta) implementation that gives the output's shape and dtype, and runs eagerly at run time.
-There is no graph break at the loss.
+hands its tensors to one of the ops below instead of running the backend inline. Dynamo and
+Inductor then never trace the validation (one host synchronisation for the label range and
+count), the backends' ``.item()`` or the launcher objects: each op has a fake (meta)
+implementation that gives the outputs' shapes and dtypes, and runs eagerly at run time. There
+is no graph break at the loss.
 
-Backward is a second op, ``fused_ce::linear_cross_entropy_backward``, registered with
-``register_autograd``. It recomputes the loss with autograd on and differentiates it (the
-backends keep their saved state inside their own ``autograd.Function``, which cannot cross an op
-boundary), so a compiled step runs the fused forward twice: the memory saving is the same, the
-loss costs about one extra forward pass. Eager calls never go through these ops.
+- ``fused_ce::linear_cross_entropy_and_grads``, for a scalar loss (``"mean"``/``"sum"``) whose
+  gradient is wanted (grad mode on and an input requiring grad, both known when Dynamo traces),
+  in bfloat16, float32 or float64:
+  it runs the fused forward and backward at once, for an upstream gradient of 1, and returns the
+  loss with the gradients of the inputs that require one. Backward only multiplies them by the
+  upstream gradient (a pointwise op that Inductor fuses into what follows). So the compiled step
+  runs the fused loss once, as eager does, and its backward has no host synchronisation: a
+  second label check or a backend's ``.item()`` there would drain the device queue that
+  compiled code keeps full. The gradients live from the loss's forward to the start of the
+  backward, which is where the step's memory peaks anyway. The product rounds the stored
+  gradient a second time when the upstream gradient is not a power of two (at most one unit in
+  the last place of its dtype; exact for 1, which ``loss.backward()`` gives), as the eager
+  default path does with its forward-time gradient.
+- ``fused_ce::linear_cross_entropy``, for ``reduction="none"``, float16 (whose gradient at an
+  upstream gradient of 1 would underflow before a loss scale multiplies it) and calls without
+  a gradient.
+  Its backward is ``fused_ce::linear_cross_entropy_backward``, registered with
+  ``register_autograd``: it recomputes the loss with autograd on and differentiates it (the
+  backends keep their saved state inside their own ``autograd.Function``, which cannot cross an
+  op boundary), so the fused forward runs twice there.
 
-Double backward through the op is not supported (as in eager).
+Eager calls never go through these ops. Double backward through them is not supported (as in
+eager).
 
 Source: PyTorch "Python custom operators" tutorial (``torch.library.custom_op``,
 ``register_fake``, ``register_autograd``), torch 2.4+.
 """
 
+import contextlib
 import numbers
 from typing import Optional
 
@@ -42,6 +59,31 @@ def _eager(hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f, 
     )
 
 
+_AUTOCAST_KEYS = [k for name, k in torch._C.DispatchKey.__members__.items()
+                  if name.startswith("Autocast")]
+
+
+def _top_level_dispatch():
+    """The dispatcher's thread-local key sets of a top-level eager call, inside an op's kernel.
+
+    An op's kernel runs with the autograd keys excluded (and, in a compiled graph, functorch's
+    and functionalization's too), so autograd records only ``autograd.Function`` nodes there;
+    the loss's degenerate-divisor backward (``backends/nonfinite_scale.py``) differentiates
+    stock ops and needs the whole eager dispatcher. Autocast stays as it is (off: the loss
+    turns it off anyway). Uses torch's private ``_ForceDispatchKeyGuard`` (as torch's own
+    higher-order ops do); without it, the kernel runs as called.
+    """
+    guard = getattr(torch._C, "_ForceDispatchKeyGuard", None)
+    if guard is None:
+        return contextlib.nullcontext()
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    kept = torch._C.DispatchKeySet(torch._C.DispatchKey.Undefined)
+    for key in _AUTOCAST_KEYS:
+        if exclude.has(key):
+            kept = kept.add(key)
+    return guard(torch._C._dispatch_tls_local_include_set(), kept)
+
+
 @custom_op(f"{_NAMESPACE}::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
@@ -50,7 +92,7 @@ def linear_cross_entropy(
     label_smoothing: float, z_loss: float, logits_budget: Optional[int], backend: str,
 ) -> Tensor:
     """``fused_linear_cross_entropy`` with every option positional (see loss.py)."""
-    with torch.no_grad():
+    with _top_level_dispatch(), torch.no_grad():
         out = _eager(hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f,
                      ignore_index, reduction, shift, softcap, label_smoothing, z_loss,
                      logits_budget, backend)
@@ -76,7 +118,7 @@ def linear_cross_entropy_backward(
     inputs = [hidden.detach().requires_grad_(), weight.detach().requires_grad_()]
     if bias is not None:
         inputs.append(bias.detach().requires_grad_())
-    with torch.enable_grad():
+    with _top_level_dispatch(), torch.enable_grad():
         out = _eager(*inputs[:2], inputs[2] if bias is not None else None, labels, num_items_t,
                      num_items_i, num_items_f, ignore_index, reduction, shift, softcap,
                      label_smoothing, z_loss, logits_budget, backend)
@@ -114,6 +156,73 @@ def _backward(ctx, grad):
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
 
 
+@custom_op(f"{_NAMESPACE}::linear_cross_entropy_and_grads", mutates_args=())
+def linear_cross_entropy_and_grads(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+    num_items_t: Optional[Tensor], num_items_i: Optional[int], num_items_f: Optional[float],
+    ignore_index: int, reduction: str, shift: bool, softcap: Optional[float],
+    label_smoothing: float, z_loss: float, logits_budget: Optional[int], backend: str,
+    needs_grad: list[bool],
+) -> list[Tensor]:
+    """``[loss, d hidden, d weight, d bias]`` for an upstream gradient of 1 (scalar loss).
+
+    ``needs_grad`` says, for hidden, weight and bias, which gradients to compute; the others
+    come back as empty tensors (a frozen lm_head, as under LoRA, costs no dW matmul).
+    """
+    inputs = [hidden, weight, bias]
+    wanted = [t.detach().requires_grad_() if t is not None and need else t
+              for t, need in zip(inputs, needs_grad)]
+    with _top_level_dispatch(), torch.enable_grad():
+        out = _eager(*wanted, labels, num_items_t, num_items_i, num_items_f, ignore_index,
+                     reduction, shift, softcap, label_smoothing, z_loss, logits_budget, backend)
+        diff = [t for t, need in zip(wanted, needs_grad) if t is not None and need]
+        grads = iter(torch.autograd.grad(out, diff, allow_unused=True) if out.requires_grad
+                     else [None] * len(diff))
+    out = out.detach()
+    result = [out.clone() if out._base is not None else out]  # an op's output may not be a view
+    for t, need in zip(wanted, needs_grad):
+        if t is None or not need:
+            result.append(hidden.new_empty(0))
+        else:
+            g = next(grads)
+            result.append(torch.zeros_like(t) if g is None else g)
+    return result
+
+
+@linear_cross_entropy_and_grads.register_fake
+def _(hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f, ignore_index,
+      reduction, shift, softcap, label_smoothing, z_loss, logits_budget, backend, needs_grad):
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    out = [hidden.new_empty((), dtype=dtype)]
+    for t, need in zip((hidden, weight, bias), needs_grad):
+        out.append(torch.empty_like(t) if t is not None and need else hidden.new_empty(0))
+    return out
+
+
+def _setup_grads_context(ctx, inputs, output):
+    ctx.needs_grad = inputs[-1]
+    ctx.save_for_backward(*output[1:])
+
+
+def _scaled(grad: Tensor, stored: Tensor) -> Tensor:
+    """``grad * stored`` computed in the loss's precision, rounded once to ``stored``'s dtype."""
+    if stored.dtype == grad.dtype:
+        return stored * grad
+    return (stored.to(grad.dtype) * grad).to(stored.dtype)
+
+
+def _backward_from_grads(ctx, grads):
+    grad, stored = grads[0], ctx.saved_tensors  # the stored gradients' own grads are unused
+    d = [_scaled(grad, s) if need else None for s, need in zip(stored, ctx.needs_grad)]
+    # no gradient for labels, num_items_t and the options
+    return (d[0], d[1], d[2]) + (None,) * 13
+
+
+linear_cross_entropy_and_grads.register_autograd(
+    _backward_from_grads, setup_context=_setup_grads_context
+)
+
+
 def traced_call(hidden, weight, labels, *, bias, ignore_index, reduction, num_items_in_batch,
                 shift, softcap, label_smoothing, z_loss, logits_budget, backend):
     """What :func:`~fused_ce_patch.fused_linear_cross_entropy` does under Dynamo: one op call.
@@ -133,11 +242,17 @@ def traced_call(hidden, weight, labels, *, bias, ignore_index, reduction, num_it
         num_items_i = int(num_items_in_batch)  # NumPy integers too
     elif num_items_in_batch is not None:
         num_items_f = float(num_items_in_batch)
-    return linear_cross_entropy(
-        hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f, int(ignore_index),
-        reduction, bool(shift), None if softcap is None else float(softcap),
-        float(label_smoothing), float(z_loss), logits_budget, backend,
-    )
+    args = (hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f,
+            int(ignore_index), reduction, bool(shift), None if softcap is None else float(softcap),
+            float(label_smoothing), float(z_loss), logits_budget, backend)
+    # All known when Dynamo traces (it guards on grad mode, requires_grad and dtypes). float16
+    # gradients formed at an upstream gradient of 1 would underflow before a loss scale
+    # multiplies them, so float16 forms them in backward, at the real scale (as eager does).
+    needs_grad = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    if (reduction != "none" and torch.is_grad_enabled() and any(needs_grad)
+            and hidden.dtype != torch.float16):
+        return linear_cross_entropy_and_grads(*args, needs_grad)[0]
+    return linear_cross_entropy(*args)
 
 
 register_traced_call(traced_call)

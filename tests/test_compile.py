@@ -2,7 +2,9 @@
 
 Compiled and eager give the same loss and gradients for the functional (full graph: no graph
 break at the loss), for ``torch.compile(patched_model)`` (Inductor) and for
-``Trainer(torch_compile=True)``, and a spy shows the op ran.
+``Trainer(torch_compile=True)``, and a spy shows the op ran: once per step for a scalar loss
+with a gradient (the gradients come from the forward op), twice for ``reduction="none"`` (the
+backward op recomputes).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def test_functional_full_graph(monkeypatch, num_items):
     spy = OpSpy(monkeypatch)
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(h, w, b, y)
     got = torch.autograd.grad(compiled, (h, w, b))
-    assert spy.calls == 2  # forward, and the recomputation in backward
+    assert spy.calls == 1  # the forward op computed the gradients too; no recomputation
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=0)
     for a, e in zip(got, ref):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7)
@@ -77,6 +79,103 @@ def test_functional_reduction_none_inductor():
     torch.testing.assert_close(compiled, eager, rtol=1e-12, atol=1e-12)
     for a, e in zip(got, ref):
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+
+
+def test_reduction_none_recomputes_in_backward(monkeypatch):
+    torch._dynamo.reset()
+    h, w, _, y = _inputs()
+    spy = OpSpy(monkeypatch)
+    out = torch.compile(
+        lambda h, w, y: fused_linear_cross_entropy(h, w, y, reduction="none", backend="torch"),
+        fullgraph=True, backend="aot_eager")(h, w, y)
+    assert spy.calls == 1
+    out.sum().backward()
+    assert spy.calls == 2
+
+
+def test_float16_forms_its_gradient_in_backward(monkeypatch):
+    """fp16 gradients at an upstream gradient of 1 underflow; a loss scale must reach them."""
+    torch._dynamo.reset()
+    h, w, _, y = [t.half() if t.is_floating_point() else t for t in _inputs()]
+    h, w = h.detach().mul(0.01).requires_grad_(), w.detach().requires_grad_()
+
+    def step(h, w, y):
+        return fused_linear_cross_entropy(h, w, y, reduction="sum", backend="torch") * 1e-4
+
+    spy = OpSpy(monkeypatch)
+    got = torch.autograd.grad(torch.compile(step, fullgraph=True, backend="aot_eager")(h, w, y),
+                              (h, w), torch.tensor(65536.0))
+    assert spy.calls == 2  # the backward op ran the loss again, at the real scale
+    monkeypatch.undo()
+    ref = torch.autograd.grad(step(h, w, y), (h, w), torch.tensor(65536.0))
+    for a, e in zip(got, ref):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("frozen", ["weight", "hidden", "bias"])
+def test_only_wanted_gradients_are_computed(monkeypatch, frozen):
+    """A frozen input (a LoRA model's lm_head) gets no gradient and costs no matmul: the forward
+    op computes only the gradients of inputs that require one."""
+    torch._dynamo.reset()
+    h, w, b, y = _inputs(torch.float64)
+    frozen_t = {"weight": w, "hidden": h, "bias": b}[frozen].requires_grad_(False)
+    live = [t for t in (h, w, b) if t.requires_grad]
+
+    def step(h, w, b, y):
+        return fused_linear_cross_entropy(h, w, y, bias=b, backend="torch") / 3.0
+
+    ref = torch.autograd.grad(step(h, w, b, y), live)
+    seen = []
+    original = ops._eager
+    monkeypatch.setattr(ops, "_eager", lambda *a: seen.append(
+        [t.requires_grad for t in a[:3]]) or original(*a))
+    out = torch.compile(step, fullgraph=True, backend="aot_eager")(h, w, b, y)
+    assert seen == [[t is not frozen_t for t in (h, w, b)]]  # differentiated inside the op
+    got = torch.autograd.grad(out, live)
+    for a, e in zip(got, ref):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-14)
+
+
+def test_no_grad_call_computes_no_gradient(monkeypatch):
+    torch._dynamo.reset()
+    h, w, _, y = _inputs()
+    spy = OpSpy(monkeypatch)
+    seen = []
+    original = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: seen.append(1) or original(*a, **k))
+    with torch.no_grad():
+        out = torch.compile(lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend="torch"),
+                            fullgraph=True, backend="aot_eager")(h, w, y)
+    assert spy.calls == 1 and seen == [] and not out.requires_grad
+    torch.testing.assert_close(out, fused_linear_cross_entropy(h, w, y, backend="torch"))
+
+
+def test_bf16_upstream_scale_is_not_rounded_to_bf16():
+    """The backward multiplies the stored bf16 gradients (upstream gradient 1) by the float32
+    upstream gradient in float32 and rounds once; a bf16 multiply would round 1/3 itself."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(64, 32, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(97, 32, generator=g).bfloat16().requires_grad_()
+    y = torch.randint(0, 97, (64,), generator=g)
+    scale = 1.0 / 3.0
+
+    def step(h, w, y):
+        return fused_linear_cross_entropy(h, w, y, backend="torch") * scale
+
+    got = torch.autograd.grad(torch.compile(step, fullgraph=True, backend="aot_eager")(h, w, y),
+                              (h, w))
+    at_one = torch.autograd.grad(fused_linear_cross_entropy(h, w, y, backend="torch"), (h, w))
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    exact = torch.autograd.grad(
+        torch.nn.functional.cross_entropy(h64 @ w64.T, y) * scale, (h64, w64))
+    for a, one, e in zip(got, at_one, exact):
+        assert torch.equal(a, (one.float() * scale).bfloat16())
+        rounded_scale = one * torch.tensor(scale, dtype=torch.bfloat16)
+        assert not torch.equal(a, rounded_scale)  # the check can tell the two apart
+        err = ((a.double() - e).norm() / e.norm()).item()
+        err_rounded = ((rounded_scale.double() - e).norm() / e.norm()).item()
+        assert err < 1e-2 and err < err_rounded, (err, err_rounded)
 
 
 def _tiny_llama(seed=0):
@@ -110,7 +209,7 @@ def test_compiled_patched_model_inductor(monkeypatch):
     spy = OpSpy(monkeypatch)
     out = torch.compile(model)(input_ids=ids, labels=labels)
     out.loss.backward()
-    assert spy.calls == 2
+    assert spy.calls == 1
     torch.testing.assert_close(out.loss, ref_loss, rtol=1e-5, atol=0)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
@@ -176,5 +275,5 @@ def test_trainer_torch_compile(monkeypatch, tmp_path):
     ref = run(False)
     spy = OpSpy(monkeypatch)
     got = run(True)
-    assert spy.calls == 2
+    assert spy.calls == 1
     assert got == pytest.approx(ref, rel=1e-5)

@@ -137,6 +137,27 @@ def test_compile_with_changing_python_float_num_items(monkeypatch):
     assert [s[2] for s in seen] == [2.5, 6.25]
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("n", [0, math.nan])
+def test_compiled_zero_or_nan_num_items_gradient_is_stock(backend, n):
+    """The compiled op forms the degenerate-divisor gradient inside a custom op kernel, where
+    the dispatcher records no autograd graph; it must still be stock's inf/NaN pattern."""
+    torch._dynamo.reset()
+    hidden, weight, labels = _inputs()
+    n = torch.tensor(n)
+
+    def fused(h, w, y):
+        return fused_linear_cross_entropy(h, w, y, shift=True, num_items_in_batch=n,
+                                          backend="torch")
+
+    got = torch.autograd.grad(torch.compile(fused, fullgraph=True, backend=backend)(
+        hidden, weight, labels), (hidden, weight))
+    want = torch.autograd.grad(_stock(hidden, weight, labels, n.float()), (hidden, weight))
+    for a, b in zip(got, want):
+        assert a.isnan().any() or a.isinf().any()
+        torch.testing.assert_close(a, b, equal_nan=True)
+
+
 # -- labels dtypes, meta tensors, flags ------------------------------------------------------
 
 
