@@ -980,3 +980,49 @@ def logits_grad_cols_kernel(z_ptr, stride_z, g_ptr, stride_g, b_ptr, labels_ptr,
         g = _cast(tl.where(keep, g, 0.0), g_ptr.dtype.element_ty, FIX_RNE)
         tl.debug_barrier()  # every thread's loads of this block done before any store
         tl.store(g_ptr + rows64[:, None] * stride_g + cols[None, :], g, mask=mask)
+
+
+@triton.jit
+def lse_cols_kernel(z_ptr, stride_z, b_ptr, labels_ptr, state_ptr, n_rows, n_cols, v0, softcap,
+                    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    """Merge one vocabulary chunk of float32 logits ``z[r, c]`` (row ``r``, column ``v0 + c``,
+    no bias) into each row's running log-sum-exp state ``state [4, n_rows]`` (float32): max
+    ``m``, sum of ``exp(s - m)``, target logit (0 until the chunk holding the label), sum of
+    logits (label smoothing only); ``s`` is the bias-added, softcapped logit. Rows start at
+    ``m = -inf``, the others 0. Each program owns ``BLOCK_R`` whole rows; no atomics. Grid
+    ``(cdiv(n_rows, BLOCK_R),)``; ``labels`` int64 (< 0: never a target). Source: the online
+    softmax normaliser of Milakov & Gimelshein (2018)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < n_rows
+    y = tl.load(labels_ptr + rows, mask=row_mask, other=-1)
+    m = tl.load(state_ptr + rows, mask=row_mask, other=0.0)
+    s = tl.load(state_ptr + n_rows + rows, mask=row_mask, other=0.0)
+    z_t = tl.load(state_ptr + 2 * n_rows + rows, mask=row_mask, other=0.0)
+    z_s = tl.load(state_ptr + 3 * n_rows + rows, mask=row_mask, other=0.0)
+    rows64 = tl.cast(rows, tl.int64)
+    target = y - v0
+    local = tl.arange(0, BLOCK_C)
+    for c0 in range(0, n_cols, BLOCK_C):
+        cols = c0 + local
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(z_ptr + rows64[:, None] * stride_z + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + cols, mask=col_mask, other=0.0)
+            x += bias.to(tl.float32)[None, :]
+        if HAS_SOFTCAP:
+            x = _softcap(x, softcap, 1.0 / softcap)
+        x = tl.where(col_mask[None, :], x, float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+        m = m_new
+        hit = (cols[None, :] == target[:, None]) & col_mask[None, :]
+        z_t += tl.sum(tl.where(hit, x, 0.0), axis=1)
+        if SMOOTHING:
+            z_s += tl.sum(tl.where(col_mask[None, :], x, 0.0), axis=1)
+    tl.store(state_ptr + rows, m, mask=row_mask)
+    tl.store(state_ptr + n_rows + rows, s, mask=row_mask)
+    tl.store(state_ptr + 2 * n_rows + rows, z_t, mask=row_mask)
+    tl.store(state_ptr + 3 * n_rows + rows, z_s, mask=row_mask)

@@ -25,6 +25,7 @@ from .kernels import (
     dhidden_dweight_backward_kernel,
     dhidden_rows_store_kernel,
     logits_grad_cols_kernel,
+    lse_cols_kernel,
     logits_grad_inplace_kernel,
     lse_forward_kernel,
     scale_unless_one_kernel,
@@ -250,7 +251,10 @@ class Launchers(Protocol):
     # Optional (the CUDA launchers have it; launchers without it keep the zero-logits path
     # on :meth:`dhidden_dweight_backward`): ``logits_grad_cols(z, g, bias, labels, lse,
     # p_scale, scale, v0, vocab, spec)``, the in-place backward's gradient of one vocabulary
-    # chunk of float32 logits ``z [N, c]`` (:func:`~.kernels.logits_grad_cols_kernel`).
+    # chunk of float32 logits ``z [N, c]`` (:func:`~.kernels.logits_grad_cols_kernel`);
+    # ``lse_cols(z, bias, labels, state, v0, spec)``, the zero-logits forward's merge of one
+    # such chunk into the rows' running LSE (:func:`~.kernels.lse_cols_kernel`; launchers
+    # without it keep the forward on ``lse_forward_partials``).
 
 
 def _flags(spec: LossSpec) -> dict:
@@ -493,6 +497,25 @@ class CudaLaunchers:
             HAS_BIAS=bias is not None, HAS_SOFTCAP=spec.softcap is not None,
             SMOOTHING=spec.label_smoothing != 0.0,
             BLOCK_R=block_r, BLOCK_C=block_c, FIX_RNE=z.device.type == "cpu", num_warps=warps,
+        )  # fmt: skip
+
+    def lse_cols(self, z, bias, labels, state, v0, spec):
+        """:func:`~.kernels.lse_cols_kernel`: merge float32 logits ``z [N, c]`` of the
+        vocabulary columns ``[v0, v0 + c)`` into the running LSE state ``state`` (float32
+        ``[4, N]``); ``bias`` ``[V]`` or None; ``labels`` int64 ``[N]`` (< 0: no target)."""
+        n, c = z.shape
+        if n == 0 or c == 0:
+            return
+        if z.device.type == "cuda":
+            block_r, block_c, warps = 4, 512, 4
+        else:
+            block_r, block_c, warps = 4, 32, 4
+        lse_cols_kernel[(triton_cdiv(n, block_r),)](
+            z, z.stride(0), bias if bias is not None else z, labels, state, n, c, v0,
+            float(spec.softcap or 1.0),
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=spec.softcap is not None,
+            SMOOTHING=spec.label_smoothing != 0.0, BLOCK_R=block_r, BLOCK_C=block_c,
+            num_warps=warps,
         )  # fmt: skip
 
 

@@ -4,11 +4,15 @@ kernels are called through ``cfg.launchers``
 (:class:`~.launch.Launchers`): the CUDA kernels named below by default, the NPU's
 persistent-grid variants for backend ``"ascend"``.
 
-Forward (:func:`~.kernels.lse_forward_kernel`): each program multiplies a block of counted
-rows with the weight rows of one split of the vocabulary, tile by tile in registers, and keeps
-a running max / sum of exponentials, the target logit and (for label smoothing) the sum of
-logits; the splits fill the GPU and are combined by a few small torch ops into one float32
-LSE and one loss per counted row.
+Forward, where hidden needs a gradient (:func:`matmul_forward_rows`): cuBLAS matmuls over
+chunks of vocabulary columns, each chunk's float32 logits (all rows, at most ``H / 2``
+columns: no more memory than the dH that backward allocates) merged by
+:func:`~.kernels.lse_cols_kernel` into every row's running max / sum of exponentials, target
+logit and (for label smoothing) sum of logits (:func:`lse_state_by_matmul`). Elsewhere
+(:func:`~.kernels.lse_forward_kernel`): each program multiplies a block of counted rows with
+the weight rows of one split of the vocabulary, tile by tile in registers, and keeps the same
+running values; the splits fill the GPU. Either way a few small torch ops turn them into one
+float32 LSE and one loss per counted row.
 
 Backward, where it applies (16-bit inputs, dH and dW both wanted, ``V >= 2N``, not too many
 rows per hidden unit; :func:`.zero_logits_inplace.plan`): :mod:`.zero_logits_inplace`, one
@@ -74,7 +78,7 @@ class ZeroLogitsConfig:
 
 
 def lse_forward(hidden, row_off, weight, bias, labels, spec: LossSpec,
-                launchers: Launchers = CUDA_LAUNCHERS):  # fmt: skip
+                launchers: Launchers = CUDA_LAUNCHERS, by_matmul=None):  # fmt: skip
     """Per counted row: ``(loss, lse, z_target, nll)`` (float32 ``[M]``), logits never stored;
     ``nll = LSE - z_target`` computed without rounding LSE first.
 
@@ -83,13 +87,22 @@ def lse_forward(hidden, row_off, weight, bias, labels, spec: LossSpec,
         row_off: ``[M]`` int64 element offsets of the counted rows in ``hidden``.
         weight: ``[V, H]``; bias: ``[V]`` or None; labels: ``[M]`` int64 targets in [0, V).
         launchers: whose ``lse_forward_partials`` kernel to run.
+        by_matmul: None (the Triton forward), or ``(h2, all_labels, valid_rows)``: every row
+            of ``h2 [N, H]`` through :func:`lse_state_by_matmul` (``all_labels`` ``[N]``; an
+            ignored row's label is only compared, never used as an index, and its state is
+            dropped), then the counted rows ``valid_rows`` taken.
     """
     m = labels.shape[0]
     vocab = weight.shape[0]
     if m == 0:
         empty = torch.empty(0, dtype=torch.float32, device=hidden.device)
         return empty, empty, empty, empty
-    part = launchers.lse_forward_partials(hidden, row_off, weight, bias, labels, spec)
+    if by_matmul is not None:
+        h2, all_labels, valid_rows = by_matmul
+        state = lse_state_by_matmul(h2, weight, bias, all_labels, spec, launchers)
+        part = state.index_select(1, valid_rows).unsqueeze(1)  # one split of [M] rows
+    else:
+        part = launchers.lse_forward_partials(hidden, row_off, weight, bias, labels, spec)
     run_max, run_sum, z_t, z_s = part.unbind(0)
     top = run_max.amax(0)
     log_s = (run_sum * torch.exp(run_max - top)).sum(0).log()
@@ -99,6 +112,71 @@ def lse_forward(hidden, row_off, weight, bias, labels, spec: LossSpec,
     nll = (top - z_t) + log_s
     loss = finish_loss(lse, z_t, z_s.sum(0), vocab, spec, nll=nll)
     return loss, lse, z_t, nll
+
+
+#: Whether the forward may run as cuBLAS matmuls over vocabulary chunks (tests switch it off
+#: to reach the Triton forward).
+MATMUL_FORWARD = True
+#: Fewest counted rows (a fraction of all rows) for the matmul forward, which multiplies every
+#: row: the Triton forward ran at ~360 TFLOP/s against cuBLAS's ~600 on an H200 (Gemma-2,
+#: BENCHMARKS.md 2026-12-02 evening), so all rows pay while at most ~40 % are ignored (an
+#: estimate from those rates; measured at 10 % ignored only).
+MATMUL_FORWARD_MIN_COUNTED = 0.6
+
+
+def matmul_forward_rows(hidden, weight, launchers, need_h: bool, n_valid: int):
+    """``hidden`` as one ``[N, H]`` matrix where the forward runs as cuBLAS matmuls, else None.
+
+    The forward then holds float32 logits of at most ``H / 2`` columns of all ``N`` rows —
+    ``N * H`` 16-bit elements, the size of the dH that backward allocates — so only when
+    hidden needs a gradient (then this transient buffer is not above the step's peak), the
+    matmuls take the operands as they are (16-bit, one dtype, unit column strides, float32
+    outputs on NVIDIA), and there are not too many rows per hidden unit (the in-place
+    backward's ``MAX_ROWS_PER_HIDDEN``: at Gemma-3-270M's 32K rows and H = 640 the chunks are
+    320 columns, and the forward took 48-67 ms against the Triton forward's 25 on an H200,
+    while at N/H <= 8 it was 2-17 % faster; BENCHMARKS.md, 2026-12-02 evening)."""
+    if not (MATMUL_FORWARD and need_h and n_valid > 0 and hasattr(launchers, "lse_cols")):
+        return None
+    if hidden.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != hidden.dtype:
+        return None
+    if hidden.device.type == "cuda" and not zero_logits_inplace._cuda_fp32_out_matmuls():
+        return None
+    hsize = weight.shape[1]
+    try:
+        h2 = hidden.view(-1, hsize)
+    except RuntimeError:
+        return None
+    if h2.stride(1) != 1 or weight.stride(1) != 1 or hsize < 2 * zero_logits_inplace.COL_ALIGN:
+        return None
+    n = h2.shape[0]
+    if n_valid < MATMUL_FORWARD_MIN_COUNTED * n:
+        return None
+    if n > zero_logits_inplace.MAX_ROWS_PER_HIDDEN * hsize:
+        return None
+    return h2
+
+
+def lse_state_by_matmul(h2, weight, bias, labels, spec: LossSpec, launchers) -> torch.Tensor:
+    """Running LSE state ``[4, N]`` (float32: max, sum of exponentials, target logit, sum of
+    logits) of every row of ``h2 [N, H]`` over the whole vocabulary: per chunk of ``c``
+    columns, ``Z = h2 @ W[C].T`` (cuBLAS, float32 output) into one reused buffer, then
+    ``launchers.lse_cols`` merges ``Z`` into the state. ``c`` is the in-place backward's
+    chunk width (at most ``H / 2``, about the L2 cache's size of float32 logits), so the
+    buffer is at most ``N * H`` 16-bit elements and the merge reads ``Z`` from L2."""
+    n, hsize = h2.shape
+    vocab, dev = weight.shape[0], h2.device
+    align = zero_logits_inplace.COL_ALIGN
+    width = zero_logits_inplace._chunk_width(n, hsize, dev)
+    state = torch.zeros(4, n, dtype=torch.float32, device=dev)
+    state[0].fill_(float("-inf"))
+    buf = torch.empty(n * width, dtype=torch.float32, device=dev)
+    for v0 in range(0, vocab, width):
+        c = min(width, vocab - v0)
+        pitch = min(-(-c // align) * align, width)  # rows 16-byte aligned where room allows
+        z = buf[: n * pitch].view(n, pitch)[:, :c]
+        zero_logits_inplace._mm_fp32_into(z, h2, weight[v0 : v0 + c].t())
+        launchers.lse_cols(z, bias, labels, state, v0, spec)
+    return state
 
 
 def _vocab_groups(dw: torch.Tensor | None, vocab: int, hsize: int, dev):
@@ -149,8 +227,12 @@ class TritonZeroLogitsLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, valid_rows, cfg: ZeroLogitsConfig):
         y_valid = labels.index_select(0, valid_rows)
         row_off = row_offsets(hidden, valid_rows)
-        loss, lse, z_t, nll = lse_forward(hidden, row_off, weight, bias, y_valid, cfg.spec,
-                                          cfg.launchers)  # fmt: skip
+        h2 = matmul_forward_rows(hidden, weight, cfg.launchers, ctx.needs_input_grad[0],
+                                 cfg.n_valid)  # fmt: skip
+        loss, lse, z_t, nll = lse_forward(
+            hidden, row_off, weight, bias, y_valid, cfg.spec, cfg.launchers,
+            None if h2 is None else (h2, labels, valid_rows),
+        )
         ctx.cfg = cfg
         ctx.save_for_backward(hidden, weight, bias, valid_rows, y_valid, row_off, lse, z_t, nll)
         if cfg.reduction == "none":
