@@ -19,7 +19,13 @@ is no graph break at the loss.
   backward, which is where the step's memory peaks anyway. The product rounds the stored
   gradient a second time when the upstream gradient is not a power of two (at most one unit in
   the last place of its dtype; exact for 1, which ``loss.backward()`` gives), as the eager
-  default path does with its forward-time gradient.
+  Triton default path does with its forward-time gradient; the CPU ``torch`` backend keeps
+  dW and db in float32 until its backward, so there compiled 16-bit dW/db differ from eager
+  by that unit for such upstream gradients. Double backward raises where the op's backward
+  runs eagerly (Dynamo's ``eager`` backend); in an AOT-compiled graph the stored gradients
+  carry no graph back to the inputs, so ``torch.autograd.grad(..., allow_unused=True)`` of a
+  second-order term gives None (``.backward()`` raises torch's own "does not currently support
+  double backward").
 - ``fused_ce::linear_cross_entropy``, for ``reduction="none"``, float16 (whose gradient at an
   upstream gradient of 1 would underflow before a loss scale multiplies it) and calls without
   a gradient.
@@ -43,6 +49,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
+from .errors import raise_if_double_backward
 from .loss import fused_linear_cross_entropy, register_traced_call
 
 _NAMESPACE = "fused_ce"
@@ -127,14 +134,15 @@ def linear_cross_entropy_backward(
             # reduction="none" is not recorded by autograd; differentiate its flat base.
             out, grad = out._base, grad.reshape(out._base.shape)
         grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
-    return [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
+    # contiguous whatever the input's strides, as the fake says
+    return [t.new_zeros(t.shape) if g is None else g.contiguous() for t, g in zip(inputs, grads)]
 
 
 @linear_cross_entropy_backward.register_fake
 def _(grad, hidden, weight, bias, labels, *options):
-    out = [torch.empty_like(hidden), torch.empty_like(weight)]
+    out = [hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)]
     if bias is not None:
-        out.append(torch.empty_like(bias))
+        out.append(bias.new_empty(bias.shape))
     return out
 
 
@@ -183,9 +191,9 @@ def linear_cross_entropy_and_grads(
     for t, need in zip(wanted, needs_grad):
         if t is None or not need:
             result.append(hidden.new_empty(0))
-        else:
+        else:  # contiguous whatever the input's strides, as the fake says
             g = next(grads)
-            result.append(torch.zeros_like(t) if g is None else g)
+            result.append(t.new_zeros(t.shape) if g is None else g.contiguous())
     return result
 
 
@@ -195,7 +203,7 @@ def _(hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f, ignor
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     out = [hidden.new_empty((), dtype=dtype)]
     for t, need in zip((hidden, weight, bias), needs_grad):
-        out.append(torch.empty_like(t) if t is not None and need else hidden.new_empty(0))
+        out.append(t.new_empty(t.shape) if t is not None and need else hidden.new_empty(0))
     return out
 
 
@@ -212,6 +220,9 @@ def _scaled(grad: Tensor, stored: Tensor) -> Tensor:
 
 
 def _backward_from_grads(ctx, grads):
+    # The stored gradients carry no graph back to the inputs: a second-order gradient would
+    # come back None or zero without a word.
+    raise_if_double_backward("fused_linear_cross_entropy")
     grad, stored = grads[0], ctx.saved_tensors  # the stored gradients' own grads are unused
     d = [_scaled(grad, s) if need else None for s, need in zip(stored, ctx.needs_grad)]
     # no gradient for labels, num_items_t and the options

@@ -178,6 +178,35 @@ def test_bf16_upstream_scale_is_not_rounded_to_bf16():
         assert err < 1e-2 and err < err_rounded, (err, err_rounded)
 
 
+@pytest.mark.parametrize("layout", ["transposed weight", "transposed hidden"])
+def test_non_contiguous_inputs_inductor(layout):
+    """The op's gradients are contiguous whatever the inputs' strides, as its fake says
+    (Inductor asserts the real outputs' strides against the fake's)."""
+    torch._dynamo.reset()
+    h, w, b, y = _inputs()
+    if layout == "transposed weight":
+        w = w.detach().t().contiguous().requires_grad_().t()
+    else:
+        h = h.detach().transpose(0, 1).contiguous().requires_grad_().transpose(0, 1)
+
+    def step(h, w, b, y):
+        return fused_linear_cross_entropy(h, w, y, bias=b, backend="torch") * 3.0
+
+    ref = torch.autograd.grad(step(h, w, b, y), (h, w, b))
+    got = torch.autograd.grad(torch.compile(step)(h, w, b, y), (h, w, b))
+    for a, e in zip(got, ref):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_double_backward_raises_where_the_backward_runs_eagerly():
+    torch._dynamo.reset()
+    h, w, _, y = _inputs(torch.float64)
+    out = torch.compile(lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend="torch"),
+                        backend="eager")(h, w, y)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out, (h,), create_graph=True)
+
+
 def _tiny_llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
