@@ -232,6 +232,18 @@ def test_steps_aside():
                    True, True, 30) is None  # fmt: skip
 
 
+def test_no_tail_room_steps_aside_even_with_min_tail_cols_zero(monkeypatch):
+    """A scratch buffer too small for one float32 column of N rows gives tail chunks of no
+    columns: the plan must step aside (a loop over chunks of width 0 would never end)."""
+    h16 = torch.randn(40, 8, dtype=torch.bfloat16)
+    w16 = torch.randn(97, 8, dtype=torch.bfloat16)
+    monkeypatch.setattr(zi, "TAIL_SCRATCH_BYTES", 4 * 40 - 4)  # under one column of 40 rows
+    for min_cols in (16, 1, 0):
+        monkeypatch.setattr(zi, "MIN_TAIL_COLS", min_cols)
+        assert zi.plan(h16, w16, CUDA_LAUNCHERS, True, True, 30) is None
+        assert zi.plan(h16, w16, CUDA_LAUNCHERS, True, True, 10) is None  # counted-rows pass
+
+
 def test_chunk_width_follows_the_l2_cache(monkeypatch):
     """Chunks of float32 logits about L2-sized (nearest 128 columns, at least 128), no cap
     where no L2 size is known; ``MAX_CHUNK_COLS`` overrides."""

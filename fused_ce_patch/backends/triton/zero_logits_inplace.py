@@ -69,6 +69,7 @@ TAIL_SCRATCH_BYTES = 4 * 2**20
 #: (Llama-3, 8K rows) and 1.3x slower at N/H = 51 (Gemma-3-270M, 32K rows); BENCHMARKS.md.
 MAX_ROWS_PER_HIDDEN = 16
 #: Fewest vocabulary columns a tail chunk should have; fewer: the tiled kernels run instead.
+#: (Read as at least 1: a chunk of no columns would never finish the vocabulary.)
 MIN_TAIL_COLS = 16
 #: Most vocabulary columns per chunk; None: :func:`chunk_cols` picks by the GPU's L2 size.
 MAX_CHUNK_COLS: int | None = None
@@ -128,7 +129,7 @@ def plan(hidden, weight, launchers, need_h: bool, need_w: bool, n_valid: int):
     if n > MAX_ROWS_PER_HIDDEN * hsize:
         return None
     tail_cols = _cols(_tail_room(n))  # float32 logits
-    if hsize < 2 or tail_cols < MIN_TAIL_COLS:
+    if hsize < 2 or tail_cols < _min_tail_cols():
         return None
     m = n_valid
     if _compact_pays(n, m, vocab, hsize):
@@ -153,11 +154,15 @@ def _compact_pays(n: int, m: int, vocab: int, hsize: int) -> bool:
     if not COMPACT or m >= n or 2 * m > COMPACT_MAX_UNDER * vocab:
         return False
     acc_start = _acc_start(vocab, hsize, m)
-    if acc_start // (2 * m) < MIN_TAIL_COLS or _tail_room(m) < MIN_TAIL_COLS:
+    if acc_start // (2 * m) < _min_tail_cols() or _tail_room(m) < _min_tail_cols():
         return False
     full = 3 * vocab * n + 2 * n * n
     counted = 3 * vocab * m - 2 * m * m + 4 * m * n
     return counted <= (1.0 - COMPACT_MIN_SAVING) * full
+
+
+def _min_tail_cols() -> int:
+    return max(1, MIN_TAIL_COLS)
 
 
 def _acc_start(vocab: int, hsize: int, rows: int) -> int:
