@@ -143,3 +143,54 @@ def test_steps_aside(monkeypatch, spy, case):
         y[: int(0.4 * n)] = 5
         fused_linear_cross_entropy(hid, w, y, backend="triton", logits_budget=0)
         assert spy
+
+
+def test_strided_labels(spy):
+    """Labels that are a strided view (every other column of a [N, 2] tensor): the merge kernel
+    reads labels with unit stride, so the path must pass a packed copy (a review found the
+    loss 10 % off, and reads past a stride-0 tensor's storage)."""
+    n, h, v = 24, 32, 100
+    hid = torch.randn(n, h).bfloat16()
+    w = (torch.randn(v, h) / h**0.5).bfloat16()
+    y2 = torch.randint(0, v, (n, 2))
+    for y in (y2[:, 1], torch.full((1,), 7).expand(n)):
+        got = _run(hid, w, None, y)
+        assert spy
+        want = _run(hid, w, None, y.contiguous())
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        ref = F.cross_entropy(hid.double() @ w.double().t(), y)
+        torch.testing.assert_close(got[0].double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("masked", [8, 32])
+def test_a_chunk_of_minus_inf_logits(monkeypatch, spy, masked):
+    """A -inf bias over the first chunk(s) (tokens masked out): the running max starts finite,
+    so no inf - inf, and the loss and gradients equal the Triton forward's."""
+    n, h, v = 12, 16, 40  # H = 16: chunks of 8 columns
+    hid = torch.randn(n, h).bfloat16()
+    w = (torch.randn(v, h) / h**0.5).bfloat16()
+    b = torch.zeros(v).bfloat16()
+    b[:masked] = float("-inf")
+    y = torch.randint(masked, v, (n,))
+    got = _run(hid, w, b, y)
+    assert spy
+    monkeypatch.setattr(zl, "MATMUL_FORWARD", False)
+    want = _run(hid, w, b, y)
+    assert torch.isfinite(got[0])
+    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=2e-6)
+    for a, e in zip(got[1][:2], want[1][:2]):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.float(), e.float(), rtol=2e-2, atol=1e-4)
+
+
+def test_no_buffer_under_no_grad(spy):
+    """Under torch.no_grad no dH will be allocated, so the float32 chunk buffer would raise the
+    peak: the Triton forward runs (``ctx.needs_input_grad`` ignores grad mode)."""
+    hid = torch.randn(40, 32).bfloat16().requires_grad_()
+    w = torch.randn(97, 32).bfloat16().requires_grad_()
+    y = torch.randint(0, 97, (40,))
+    with torch.no_grad():
+        fused_linear_cross_entropy(hid, w, y, backend="triton", logits_budget=0)
+    assert spy == []
+    fused_linear_cross_entropy(hid, w, y, backend="triton", logits_budget=0)
+    assert spy

@@ -157,6 +157,7 @@ def run_paths(problem: Problem, rows_max: int, launchers=None, tuning=None) -> t
         scale=problem.scale,
         n_valid=problem.n_valid,
         launchers=launchers,
+        need_hidden_grad=need[0],
     )
     return TritonZeroLogitsLinearCrossEntropy.apply(
         hidden, weight, bias, problem.labels, problem.valid_rows, cfg

@@ -990,7 +990,8 @@ def lse_cols_kernel(z_ptr, stride_z, b_ptr, labels_ptr, state_ptr, n_rows, n_col
     no bias) into each row's running log-sum-exp state ``state [4, n_rows]`` (float32): max
     ``m``, sum of ``exp(s - m)``, target logit (0 until the chunk holding the label), sum of
     logits (label smoothing only); ``s`` is the bias-added, softcapped logit. Rows start at
-    ``m = -inf``, the others 0. Each program owns ``BLOCK_R`` whole rows; no atomics. Grid
+    ``m = _NEG_BIG`` (finite, so that ``exp(m_old - m_new)`` never sees inf - inf when a whole
+    chunk is -inf), the others 0. Each program owns ``BLOCK_R`` whole rows; no atomics. Grid
     ``(cdiv(n_rows, BLOCK_R),)``; ``labels`` int64 (< 0: never a target). Source: the online
     softmax normaliser of Milakov & Gimelshein (2018)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)

@@ -75,6 +75,8 @@ class ZeroLogitsConfig:
     scale: float | torch.Tensor
     n_valid: int
     launchers: Launchers = CUDA_LAUNCHERS
+    #: grad mode on and hidden requiring grad (``ctx.needs_input_grad`` ignores grad mode)
+    need_hidden_grad: bool = True
 
 
 def lse_forward(hidden, row_off, weight, bias, labels, spec: LossSpec,
@@ -124,6 +126,11 @@ MATMUL_FORWARD = True
 MATMUL_FORWARD_MIN_COUNTED = 0.6
 
 
+#: Start of the running maxima (the kernels' ``_NEG_BIG``): a chunk whose logits are all -inf
+#: (a -inf bias masking tokens) leaves it finite.
+NEG_BIG = -1.0e30
+
+
 def matmul_forward_rows(hidden, weight, launchers, need_h: bool, n_valid: int):
     """``hidden`` as one ``[N, H]`` matrix where the forward runs as cuBLAS matmuls, else None.
 
@@ -131,7 +138,8 @@ def matmul_forward_rows(hidden, weight, launchers, need_h: bool, n_valid: int):
     ``N * H`` 16-bit elements, the size of the dH that backward allocates — so only when
     hidden needs a gradient (then this transient buffer is not above the step's peak), the
     matmuls take the operands as they are (16-bit, one dtype, unit column strides, float32
-    outputs on NVIDIA), and there are not too many rows per hidden unit (the in-place
+    outputs on NVIDIA), ``H >= 16`` (chunks of at least 8 aligned columns), and there are
+    not too many rows per hidden unit (the in-place
     backward's ``MAX_ROWS_PER_HIDDEN``: at Gemma-3-270M's 32K rows and H = 640 the chunks are
     320 columns, and the forward took 48-67 ms against the Triton forward's 25 on an H200,
     while at N/H <= 8 it was 2-17 % faster; BENCHMARKS.md, 2026-12-02 evening)."""
@@ -168,7 +176,7 @@ def lse_state_by_matmul(h2, weight, bias, labels, spec: LossSpec, launchers) -> 
     align = zero_logits_inplace.COL_ALIGN
     width = zero_logits_inplace._chunk_width(n, hsize, dev)
     state = torch.zeros(4, n, dtype=torch.float32, device=dev)
-    state[0].fill_(float("-inf"))
+    state[0].fill_(NEG_BIG)  # finite: exp(m_old - m_new) never sees -inf - (-inf)
     buf = torch.empty(n * width, dtype=torch.float32, device=dev)
     for v0 in range(0, vocab, width):
         c = min(width, vocab - v0)
@@ -227,11 +235,11 @@ class TritonZeroLogitsLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, valid_rows, cfg: ZeroLogitsConfig):
         y_valid = labels.index_select(0, valid_rows)
         row_off = row_offsets(hidden, valid_rows)
-        h2 = matmul_forward_rows(hidden, weight, cfg.launchers, ctx.needs_input_grad[0],
-                                 cfg.n_valid)  # fmt: skip
+        h2 = matmul_forward_rows(hidden, weight, cfg.launchers,
+                                 cfg.need_hidden_grad and ctx.needs_input_grad[0], cfg.n_valid)
         loss, lse, z_t, nll = lse_forward(
             hidden, row_off, weight, bias, y_valid, cfg.spec, cfg.launchers,
-            None if h2 is None else (h2, labels, valid_rows),
+            None if h2 is None else (h2, labels.contiguous(), valid_rows),  # kernel: unit stride
         )
         ctx.cfg = cfg
         ctx.save_for_backward(hidden, weight, bias, valid_rows, y_valid, row_off, lse, z_t, nll)
