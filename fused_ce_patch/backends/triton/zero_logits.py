@@ -138,11 +138,11 @@ def matmul_forward_rows(hidden, weight, launchers, need_h: bool, n_valid: int):
     ``N * H`` 16-bit elements, the size of the dH that backward allocates — so only when
     hidden needs a gradient (then this transient buffer is not above the step's peak), the
     matmuls take the operands as they are (16-bit, one dtype, unit column strides, float32
-    outputs on NVIDIA), ``H >= 16`` (chunks of at least 8 aligned columns), and there are
-    not too many rows per hidden unit (the in-place
-    backward's ``MAX_ROWS_PER_HIDDEN``: at Gemma-3-270M's 32K rows and H = 640 the chunks are
-    320 columns, and the forward took 48-67 ms against the Triton forward's 25 on an H200,
-    while at N/H <= 8 it was 2-17 % faster; BENCHMARKS.md, 2026-12-02 evening)."""
+    outputs on NVIDIA), ``H >= 16`` (chunks of at least 8 aligned columns), and there are not
+    too many rows per hidden unit (the in-place backward's ``MAX_ROWS_PER_HIDDEN``: at
+    Gemma-3-270M's 32K rows and H = 640 the chunks are 320 columns, and the forward took
+    48-67 ms against the Triton forward's 25 on an H200, while at N/H <= 8 it was 2-17 %
+    faster; BENCHMARKS.md, 2026-12-02 evening)."""
     if not (MATMUL_FORWARD and need_h and n_valid > 0 and hasattr(launchers, "lse_cols")):
         return None
     if hidden.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != hidden.dtype:
