@@ -182,8 +182,10 @@ def test_matches_the_tiled_kernels(oracle, spy, monkeypatch):
         if enabled:
             _check(oracle, out)
     assert spy == [1]
-    for new, old in zip(errs[True][:3], errs[False][:3]):
-        assert new <= 1.1 * old + 1e-6, (errs[True], errs[False])
+    # dW gets 15 %: the in-place backward rounds a target row of dW twice (docs/limits.md),
+    # and at this size a fifth of dW's rows are some row's target (seed 1184161957: +10.5 %)
+    for new, old, slack in zip(errs[True][:3], errs[False][:3], (1.1, 1.1, 1.15)):
+        assert new <= slack * old + 1e-6, (errs[True], errs[False])
 
 
 def test_bitwise_repeatable(spy):
