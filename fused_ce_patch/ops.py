@@ -91,6 +91,41 @@ def _top_level_dispatch():
     return guard(torch._C._dispatch_tls_local_include_set(), kept)
 
 
+def _differentiated(hidden, weight, bias, labels, options, needs_grad, grad=None):
+    """The eager loss, run with autograd on inside an op's kernel, and its gradients:
+    ``(loss, [d hidden, d weight, d bias])`` for the upstream gradient ``grad`` (None: 1),
+    each contiguous whatever its input's strides (as the ops' fakes say), zeros where the loss
+    does not depend on it, None where ``needs_grad`` does not ask for it (or bias is None).
+    ``options``: ``_eager``'s arguments after ``labels``."""
+    wanted = [t.detach().requires_grad_() if t is not None and need else t
+              for t, need in zip((hidden, weight, bias), needs_grad)]
+    diff = [t for t, need in zip(wanted, needs_grad) if t is not None and need]
+    with _top_level_dispatch(), torch.enable_grad():
+        out = _eager(*wanted, labels, *options)
+        top = out
+        if top.grad_fn is None and top._base is not None:
+            # Inside an op kernel ADInplaceOrView is force-included, so the reshaping view of
+            # reduction="none" is not recorded by autograd; differentiate its flat base.
+            top = top._base
+            grad = None if grad is None else grad.reshape(top.shape)
+        found = (torch.autograd.grad(top, diff, grad, allow_unused=True) if top.requires_grad
+                 else [None] * len(diff))
+    found = iter(found)
+    grads = []
+    for t, need in zip(wanted, needs_grad):
+        if t is None or not need:
+            grads.append(None)
+        else:
+            g = next(found)
+            grads.append(t.new_zeros(t.shape) if g is None else g.contiguous())
+    return out, grads
+
+
+def _loss_dtype(hidden: Tensor) -> torch.dtype:
+    """The loss's dtype: float64 for float64 inputs, else float32."""
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
 @custom_op(f"{_NAMESPACE}::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
@@ -109,9 +144,8 @@ def linear_cross_entropy(
 @linear_cross_entropy.register_fake
 def _(hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f, ignore_index,
       reduction, shift, softcap, label_smoothing, z_loss, logits_budget, backend):
-    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     shape = labels.shape if reduction == "none" else ()
-    return hidden.new_empty(shape, dtype=dtype)
+    return hidden.new_empty(shape, dtype=_loss_dtype(hidden))
 
 
 @custom_op(f"{_NAMESPACE}::linear_cross_entropy_backward", mutates_args=())
@@ -122,20 +156,11 @@ def linear_cross_entropy_backward(
     label_smoothing: float, z_loss: float, logits_budget: Optional[int], backend: str,
 ) -> list[Tensor]:
     """``[d hidden, d weight]`` (``+ [d bias]``) of the loss for the upstream gradient ``grad``."""
-    inputs = [hidden.detach().requires_grad_(), weight.detach().requires_grad_()]
-    if bias is not None:
-        inputs.append(bias.detach().requires_grad_())
-    with _top_level_dispatch(), torch.enable_grad():
-        out = _eager(*inputs[:2], inputs[2] if bias is not None else None, labels, num_items_t,
-                     num_items_i, num_items_f, ignore_index, reduction, shift, softcap,
-                     label_smoothing, z_loss, logits_budget, backend)
-        if out.grad_fn is None and out._base is not None:
-            # Inside an op kernel ADInplaceOrView is force-included, so the reshaping view of
-            # reduction="none" is not recorded by autograd; differentiate its flat base.
-            out, grad = out._base, grad.reshape(out._base.shape)
-        grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
-    # contiguous whatever the input's strides, as the fake says
-    return [t.new_zeros(t.shape) if g is None else g.contiguous() for t, g in zip(inputs, grads)]
+    options = (num_items_t, num_items_i, num_items_f, ignore_index, reduction, shift, softcap,
+               label_smoothing, z_loss, logits_budget, backend)
+    _, grads = _differentiated(hidden, weight, bias, labels, options,
+                               [True, True, bias is not None], grad)
+    return grads[:2] if bias is None else grads
 
 
 @linear_cross_entropy_backward.register_fake
@@ -177,31 +202,18 @@ def linear_cross_entropy_and_grads(
     ``needs_grad`` says, for hidden, weight and bias, which gradients to compute; the others
     come back as empty tensors (a frozen lm_head, as under LoRA, costs no dW matmul).
     """
-    inputs = [hidden, weight, bias]
-    wanted = [t.detach().requires_grad_() if t is not None and need else t
-              for t, need in zip(inputs, needs_grad)]
-    with _top_level_dispatch(), torch.enable_grad():
-        out = _eager(*wanted, labels, num_items_t, num_items_i, num_items_f, ignore_index,
-                     reduction, shift, softcap, label_smoothing, z_loss, logits_budget, backend)
-        diff = [t for t, need in zip(wanted, needs_grad) if t is not None and need]
-        grads = iter(torch.autograd.grad(out, diff, allow_unused=True) if out.requires_grad
-                     else [None] * len(diff))
+    options = (num_items_t, num_items_i, num_items_f, ignore_index, reduction, shift, softcap,
+               label_smoothing, z_loss, logits_budget, backend)
+    out, grads = _differentiated(hidden, weight, bias, labels, options, needs_grad)
     out = out.detach()
-    result = [out.clone() if out._base is not None else out]  # an op's output may not be a view
-    for t, need in zip(wanted, needs_grad):
-        if t is None or not need:
-            result.append(hidden.new_empty(0))
-        else:  # contiguous whatever the input's strides, as the fake says
-            g = next(grads)
-            result.append(t.new_zeros(t.shape) if g is None else g.contiguous())
-    return result
+    head = out.clone() if out._base is not None else out  # an op's output may not be a view
+    return [head] + [hidden.new_empty(0) if g is None else g for g in grads]
 
 
 @linear_cross_entropy_and_grads.register_fake
 def _(hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f, ignore_index,
       reduction, shift, softcap, label_smoothing, z_loss, logits_budget, backend, needs_grad):
-    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    out = [hidden.new_empty((), dtype=dtype)]
+    out = [hidden.new_empty((), dtype=_loss_dtype(hidden))]
     for t, need in zip((hidden, weight, bias), needs_grad):
         out.append(t.new_empty(t.shape) if t is not None and need else hidden.new_empty(0))
     return out
