@@ -169,23 +169,32 @@ def test_tail_chunks(oracle, spy, monkeypatch, tail_bytes):
 
 def test_matches_the_tiled_kernels(oracle, spy, monkeypatch):
     """Both backwards are exact (float32 sums of the same products): their errors against
-    float64 agree to within a few percent for the loss, dH and dW. db, which the in-place
-    backward sums from the 16-bit gradient as PyTorch's own path does (the tiled kernels sum
-    float32 values), is held to PyTorch's error instead."""
+    float64 agree to within a few percent for the loss, dH and the rows of dW that are no
+    row's target. The in-place backward rounds a target row of dW twice (docs/limits.md), so
+    those rows may be off by one more rounding (2^-8 relative) than the tiled kernels' — at
+    this size a fifth of dW's rows are targets, enough to move the whole of dW by over 10 %
+    at some seeds (1184161957). db, which the in-place backward sums from the 16-bit gradient
+    as PyTorch's own path does (the tiled kernels sum float32 values), is held to PyTorch's
+    error instead."""
     hidden, weight, labels, b = make(CASE, (2, 17), 31, 157, dtype=torch.bfloat16, bias=True,
                                      logit_std=3.0)  # fmt: skip
+    flat = labels.reshape(-1)
+    target = torch.zeros(157, dtype=torch.bool)
+    target[flat[flat != -100]] = True
     errs = {}
     for enabled in (True, False):
         monkeypatch.setattr(zi, "ENABLED", enabled)
         out = _run(oracle, hidden, weight, labels, b, label_smoothing=0.05)
-        errs[enabled] = [oracle.rel_err(a, r) for a, r in zip(out["ours"], out["ref"])]
+        (loss, dh, dw), (r_loss, r_dh, r_dw) = out["ours"][:3], out["ref"][:3]
+        errs[enabled] = [oracle.rel_err(loss, r_loss), oracle.rel_err(dh, r_dh),
+                         oracle.rel_err(dw[~target], r_dw[~target]),
+                         oracle.rel_err(dw[target], r_dw[target])]
         if enabled:
             _check(oracle, out)
     assert spy == [1]
-    # dW gets 15 %: the in-place backward rounds a target row of dW twice (docs/limits.md),
-    # and at this size a fifth of dW's rows are some row's target (seed 1184161957: +10.5 %)
-    for new, old, slack in zip(errs[True][:3], errs[False][:3], (1.1, 1.1, 1.15)):
-        assert new <= slack * old + 1e-6, (errs[True], errs[False])
+    for new, old in zip(errs[True][:3], errs[False][:3]):
+        assert new <= 1.1 * old + 1e-6, (errs[True], errs[False])
+    assert errs[True][3] <= errs[False][3] + 2.0**-8, (errs[True], errs[False])
 
 
 def test_bitwise_repeatable(spy):
