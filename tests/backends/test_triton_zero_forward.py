@@ -35,6 +35,8 @@ pytestmark = pytest.mark.usefixtures("seed", "one_thread")
 @pytest.fixture(autouse=True)
 def _interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # the TMA forward (tests/backends/test_triton_zero_tma.py) comes first where it applies
+    monkeypatch.setattr(zl, "TMA_FORWARD", False)
 
 
 @pytest.fixture

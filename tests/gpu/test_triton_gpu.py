@@ -276,3 +276,43 @@ def test_zero_logits_bitwise_repeatable(monkeypatch, n, h, v, opts):
     assert len(calls) == 2
     for a, c in zip(*runs):
         assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize(
+    "n,h,v,dtype,opts",
+    [
+        (2048, 4096, 128256, torch.bfloat16, {}),
+        (2048, 2304, 256000, torch.bfloat16, {"softcap": 30.0, "bias": True}),
+        (8192, 640, 262144, torch.bfloat16, {"label_smoothing": 0.1}),
+        (1500, 1024, 50257, torch.float16, {"z_loss": 1e-4, "bias": True}),
+    ],
+    ids=["llama3", "gemma2-softcap-bias", "gemma3-smoothing", "fp16-odd-vocab"],
+)
+def test_zero_logits_forwards_agree(monkeypatch, n, h, v, dtype, opts):
+    """The TMA forward (the default on this GPU where it applies; spied), the cuBLAS matmul
+    forward and the Triton forward give one loss to float32 summation order, the gradients
+    follow, and the loss is float32's (materialised logits)."""
+    from fused_ce_patch.backends.triton import launch, zero_logits
+
+    if not launch.tma_device(torch.device("cuda")):
+        pytest.skip("no TMA on this GPU")
+    calls = []
+    original = launch.CudaLaunchers.lse_tma
+    monkeypatch.setattr(launch.CudaLaunchers, "lse_tma",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))  # fmt: skip
+    opts = dict(opts)
+    hidden, weight, labels, b = inputs(n, h, v, dtype, bias=opts.pop("bias", False))
+    leaves = [t for t in (hidden, weight, b) if t is not None]
+    runs = {}
+    for name, tma, mm in (("tma", True, True), ("matmul", False, True), ("triton", False, False)):
+        monkeypatch.setattr(zero_logits, "TMA_FORWARD", tma)
+        monkeypatch.setattr(zero_logits, "MATMUL_FORWARD", mm)
+        loss = fused_linear_cross_entropy(hidden, weight, labels, bias=b, backend="triton",
+                                          logits_budget=0, **opts)  # fmt: skip
+        runs[name] = (loss, *torch.autograd.grad(loss, leaves))
+    assert len(calls) == 1
+    for other in ("matmul", "triton"):
+        assert rel(runs["tma"][0], runs[other][0]) <= 2e-6, other
+        for a, c in zip(runs["tma"][1:], runs[other][1:]):
+            assert rel(a, c) <= 1e-3, other
+    assert rel(runs["tma"][0], reference(hidden, weight, labels, bias=b, **opts)) <= 1e-5

@@ -52,8 +52,10 @@ Device differences are compile-time switches, set by the launchers (``launch.py`
   dots is passed as a fresh copy each time.
 - ``ATOMIC_SEM``: ``"relaxed"`` on CUDA (``red.global.add``, no fence); ascend keeps Triton's
   default, the only float32 ``atomic_add`` its op table lists (return value unused).
-- ``FAST_MATH`` (NVIDIA CUDA, the row kernel): its per-logit ``exp`` and the softcap's
-  reciprocal are PTX ``ex2.approx.ftz`` / ``rcp.approx.ftz`` (:func:`_exp`, :func:`_recip`).
+- ``FAST_MATH`` (NVIDIA CUDA: the row kernel and the zero-logits epilogues,
+  :func:`lse_cols_kernel`, :func:`logits_grad_cols_kernel`, :func:`lse_tma_kernel`): the
+  per-logit ``exp`` and the softcap's reciprocal are PTX ``ex2.approx.ftz`` / ``rcp.approx.ftz``
+  (:func:`_exp`, :func:`_recip`).
   ``tl.exp`` and ``/`` compile to the same approximations wrapped in range fix-ups for
   subnormal results (5 instructions per exp, 5 per reciprocal, against 2 and 1); the row
   kernel is issue-bound with softcap, where that is 10 of ~50 instructions per logit and
@@ -934,7 +936,7 @@ def logits_grad_cols_kernel(z_ptr, stride_z, g_ptr, stride_g, b_ptr, labels_ptr,
                             label_smoothing, HAS_BIAS: tl.constexpr,
                             HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                            FIX_RNE: tl.constexpr):  # fmt: skip
+                            FIX_RNE: tl.constexpr, FAST_MATH: tl.constexpr):  # fmt: skip
     """From float32 logits ``z[r, c]`` (row ``r``, vocabulary column ``v0 + c``, no bias),
     the input-dtype gradient ``g[r, c] = scale_r * dL/dz`` without the target column:
 
@@ -969,9 +971,9 @@ def logits_grad_cols_kernel(z_ptr, stride_z, g_ptr, stride_g, b_ptr, labels_ptr,
             bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + cols, mask=cols < n_cols, other=0.0)
             x += bias.to(tl.float32)[None, :]
         if HAS_SOFTCAP:
-            t, slope = _tanh_and_slope(x * (1.0 / softcap))
+            t, slope = _tanh_and_slope(x * (1.0 / softcap), FAST_MATH)
             x = softcap * t
-        g = tl.exp(x - lse[:, None]) * p_scale[:, None]
+        g = _exp(x - lse[:, None], FAST_MATH) * p_scale[:, None]
         if SMOOTHING:
             g -= (scale * (label_smoothing / vocab))[:, None]
         if HAS_SOFTCAP:
@@ -985,7 +987,8 @@ def logits_grad_cols_kernel(z_ptr, stride_z, g_ptr, stride_g, b_ptr, labels_ptr,
 @triton.jit
 def lse_cols_kernel(z_ptr, stride_z, b_ptr, labels_ptr, state_ptr, n_rows, n_cols, v0, softcap,
                     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                    FAST_MATH: tl.constexpr):  # fmt: skip
     """Merge one vocabulary chunk of float32 logits ``z[r, c]`` (row ``r``, column ``v0 + c``,
     no bias) into each row's running log-sum-exp state ``state [4, n_rows]`` (float32): max
     ``m``, sum of ``exp(s - m)``, target logit (0 until the chunk holding the label), sum of
@@ -1014,10 +1017,10 @@ def lse_cols_kernel(z_ptr, stride_z, b_ptr, labels_ptr, state_ptr, n_rows, n_col
             bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + cols, mask=col_mask, other=0.0)
             x += bias.to(tl.float32)[None, :]
         if HAS_SOFTCAP:
-            x = _softcap(x, softcap, 1.0 / softcap)
+            x = _softcap(x, softcap, 1.0 / softcap, FAST_MATH)
         x = tl.where(col_mask[None, :], x, float("-inf"))
         m_new = tl.maximum(m, tl.max(x, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+        s = s * tl.exp(m - m_new) + tl.sum(_exp(x - m_new[:, None], FAST_MATH), axis=1)
         m = m_new
         hit = (cols[None, :] == target[:, None]) & col_mask[None, :]
         z_t += tl.sum(tl.where(hit, x, 0.0), axis=1)
@@ -1027,3 +1030,112 @@ def lse_cols_kernel(z_ptr, stride_z, b_ptr, labels_ptr, state_ptr, n_rows, n_col
     tl.store(state_ptr + n_rows + rows, s, mask=row_mask)
     tl.store(state_ptr + 2 * n_rows + rows, z_t, mask=row_mask)
     tl.store(state_ptr + 3 * n_rows + rows, z_s, mask=row_mask)
+
+
+# -- zero-logits path, forward on Hopper: a TMA-descriptor GEMM with the LSE in its epilogue --
+
+
+@triton.jit
+def _grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """``(row block, column block)`` of tile number ``tile``, in groups of ``GROUP_M`` row
+    blocks that sweep the column blocks together (their weight tiles are shared in L2)."""
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    local = tile % per_group
+    return first_m + local % size_m, local // size_m
+
+
+@triton.jit
+def lse_tma_kernel(h_desc, w_desc, b_ptr, labels_ptr, part_ptr, n_rows, n_cols, v0, hsize,
+                   softcap, n_programs, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   SMOOTHING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   WARP_SPECIALIZE: tl.constexpr, FAST_MATH: tl.constexpr,
+                   UPCAST: tl.constexpr):  # fmt: skip
+    """Partial LSE statistics of the vocabulary columns ``[v0, v0 + n_cols)`` for every row of
+    ``h [n_rows, H]``: per column block ``t`` of ``BLOCK_N`` columns, ``part[k, t, r]``
+    (float32 ``[4, cdiv(n_cols, BLOCK_N), n_rows]``) is, for ``k`` = 0..3, the block's max of
+    ``s`` (at least ``_NEG_BIG``), the sum of ``exp(s - max)``, the target logit (0 unless the
+    label lies in the block) and the sum of logits (written only with ``SMOOTHING``); ``s`` is
+    the bias-added, softcapped logit. The logits tile never leaves registers.
+
+    ``h_desc`` ``[n_rows, H]`` and ``w_desc`` ``[V, H]`` are TMA tensor descriptors (16-bit,
+    blocks ``[BLOCK_M, BLOCK_K]`` and ``[BLOCK_N, BLOCK_K]``; out-of-range rows and columns
+    read as 0 and are masked here). A persistent grid of ``n_programs`` programs walks the tiles
+    in ``GROUP_M`` row-block groups (:func:`_grouped_tile`). ``labels`` int64 ``[n_rows]``
+    (< 0: never a target). Source: the online softmax normaliser of Milakov & Gimelshein
+    (2018); the tiled GEMM with the LSE in its epilogue of Wijmans et al. (2024)."""
+    num_m = tl.cdiv(n_rows, BLOCK_M)
+    num_n = tl.cdiv(n_cols, BLOCK_N)
+    k_tiles = tl.cdiv(hsize, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, n_programs, flatten=True,
+                         warp_specialize=WARP_SPECIALIZE):  # fmt: skip
+        pm, pn = _grouped_tile(tile, num_m, num_n, GROUP_M)
+        off_m = pm * BLOCK_M
+        off_n = pn * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for kk in range(k_tiles):
+            a = h_desc.load([off_m, kk * BLOCK_K])
+            b = w_desc.load([v0 + off_n, kk * BLOCK_K])
+            if UPCAST:  # the interpreter multiplies raw 16-bit patterns (module docstring)
+                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc,
+                             input_precision="ieee")  # fmt: skip
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_cols
+        x = acc
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + cols, mask=col_ok, other=0.0)
+            x += bias.to(tl.float32)[None, :]
+        if HAS_SOFTCAP:
+            x = _softcap(x, softcap, 1.0 / softcap, FAST_MATH)
+        x = tl.where(col_ok[None, :], x, float("-inf"))
+        m = tl.maximum(tl.max(x, axis=1), _NEG_BIG)  # finite: no inf - inf on a -inf block
+        s = tl.sum(_exp(x - m[:, None], FAST_MATH), axis=1)
+        rows = off_m + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        y = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+        hit = ((cols + v0)[None, :] == y[:, None]) & col_ok[None, :]
+        z_t = tl.sum(tl.where(hit, x, 0.0), axis=1)
+        out = part_ptr + tl.cast(pn, tl.int64) * n_rows + rows
+        plane = tl.cast(num_n, tl.int64) * n_rows
+        tl.store(out, m, mask=row_ok)
+        tl.store(out + plane, s, mask=row_ok)
+        tl.store(out + 2 * plane, z_t, mask=row_ok)
+        if SMOOTHING:
+            tl.store(out + 3 * plane, tl.sum(tl.where(col_ok[None, :], x, 0.0), axis=1),
+                     mask=row_ok)  # fmt: skip
+
+
+@triton.jit
+def lse_merge_kernel(part_ptr, state_ptr, n_rows, n_blocks, SMOOTHING: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+    """Merge the ``n_blocks`` column blocks of :func:`lse_tma_kernel`'s ``part`` (float32
+    ``[4, n_blocks, n_rows]``) into each row's running state ``state [4, n_rows]`` (as
+    :func:`lse_cols_kernel` keeps it: max, sum of exp relative to it, target logit, sum of
+    logits). Each program owns ``BLOCK_R`` rows; no atomics. Grid ``(cdiv(n_rows, BLOCK_R),)``."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    m = tl.load(state_ptr + rows, mask=row_ok, other=0.0)
+    s = tl.load(state_ptr + n_rows + rows, mask=row_ok, other=0.0)
+    z_t = tl.load(state_ptr + 2 * n_rows + rows, mask=row_ok, other=0.0)
+    z_s = tl.load(state_ptr + 3 * n_rows + rows, mask=row_ok, other=0.0)
+    plane = tl.cast(n_blocks, tl.int64) * n_rows
+    for t0 in range(0, n_blocks, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        ok = (t < n_blocks)[:, None] & row_ok[None, :]
+        at = part_ptr + tl.cast(t, tl.int64)[:, None] * n_rows + rows[None, :]
+        pm = tl.load(at, mask=ok, other=_NEG_BIG)
+        ps = tl.load(at + plane, mask=ok, other=0.0)
+        m_new = tl.maximum(m, tl.max(pm, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(ps * tl.exp(pm - m_new[None, :]), axis=0)
+        m = m_new
+        z_t += tl.sum(tl.load(at + 2 * plane, mask=ok, other=0.0), axis=0)
+        if SMOOTHING:
+            z_s += tl.sum(tl.load(at + 3 * plane, mask=ok, other=0.0), axis=0)
+    tl.store(state_ptr + rows, m, mask=row_ok)
+    tl.store(state_ptr + n_rows + rows, s, mask=row_ok)
+    tl.store(state_ptr + 2 * n_rows + rows, z_t, mask=row_ok)
+    tl.store(state_ptr + 3 * n_rows + rows, z_s, mask=row_ok)

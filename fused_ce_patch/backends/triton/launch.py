@@ -28,6 +28,8 @@ from .kernels import (
     logits_grad_inplace_kernel,
     lse_cols_kernel,
     lse_forward_kernel,
+    lse_merge_kernel,
+    lse_tma_kernel,
     scale_unless_one_kernel,
     target_dweight_kernel,
 )
@@ -254,7 +256,9 @@ class Launchers(Protocol):
     # chunk of float32 logits ``z [N, c]`` (:func:`~.kernels.logits_grad_cols_kernel`);
     # ``lse_cols(z, bias, labels, state, v0, spec)``, the zero-logits forward's merge of one
     # such chunk into the rows' running LSE (:func:`~.kernels.lse_cols_kernel`; launchers
-    # without it keep the forward on ``lse_forward_partials``).
+    # without it keep the forward on ``lse_forward_partials``); ``lse_tma(h2, weight, bias,
+    # labels, state, spec)``, the zero-logits forward of every row as one Triton GEMM with the
+    # LSE in its epilogue, where :func:`tma_device` holds (:func:`~.kernels.lse_tma_kernel`).
 
 
 def _flags(spec: LossSpec) -> dict:
@@ -487,7 +491,7 @@ class CudaLaunchers:
         if n == 0 or c == 0:
             return
         if z.device.type == "cuda":
-            block_r, block_c, warps = 2, 1024, 4
+            block_r, block_c, warps = GRAD_COLS_LAUNCH
         else:
             block_r, block_c, warps = 4, 32, 4
         logits_grad_cols_kernel[(triton_cdiv(n, block_r),)](
@@ -496,7 +500,8 @@ class CudaLaunchers:
             float(spec.softcap or 1.0), float(spec.label_smoothing),
             HAS_BIAS=bias is not None, HAS_SOFTCAP=spec.softcap is not None,
             SMOOTHING=spec.label_smoothing != 0.0,
-            BLOCK_R=block_r, BLOCK_C=block_c, FIX_RNE=z.device.type == "cpu", num_warps=warps,
+            BLOCK_R=block_r, BLOCK_C=block_c, FIX_RNE=z.device.type == "cpu",
+            FAST_MATH=ZERO_FAST_MATH and nvidia_ptx(z.device), num_warps=warps,
         )  # fmt: skip
 
     def lse_cols(self, z, bias, labels, state, v0, spec):
@@ -507,7 +512,7 @@ class CudaLaunchers:
         if n == 0 or c == 0:
             return
         if z.device.type == "cuda":
-            block_r, block_c, warps = 4, 512, 4
+            block_r, block_c, warps = LSE_COLS_LAUNCH
         else:
             block_r, block_c, warps = 4, 32, 4
         lse_cols_kernel[(triton_cdiv(n, block_r),)](
@@ -515,8 +520,104 @@ class CudaLaunchers:
             float(spec.softcap or 1.0),
             HAS_BIAS=bias is not None, HAS_SOFTCAP=spec.softcap is not None,
             SMOOTHING=spec.label_smoothing != 0.0, BLOCK_R=block_r, BLOCK_C=block_c,
-            num_warps=warps,
+            FAST_MATH=ZERO_FAST_MATH and nvidia_ptx(z.device), num_warps=warps,
         )  # fmt: skip
+
+    def lse_tma(self, h2, weight, bias, labels, state, spec):
+        """Merge every row of ``h2 [N, H]`` over the whole vocabulary into the running LSE
+        state ``state`` (float32 ``[4, N]``, as :meth:`lse_cols` keeps it): per vocabulary
+        slice, :func:`~.kernels.lse_tma_kernel` (the logits GEMM with the statistics in its
+        epilogue; 16-bit ``h2`` and ``weight`` with 16-byte aligned rows, on a
+        :func:`tma_device`) into per-block partials of at most :data:`TMA_PART_BYTES`, then
+        :func:`~.kernels.lse_merge_kernel`. ``labels`` int64 ``[N]`` (< 0: no target)."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        n, hsize = h2.shape
+        vocab = weight.shape[0]
+        dev = h2.device
+        if n == 0 or vocab == 0:
+            return
+        cuda = dev.type == "cuda"
+        bm, bn, bk, stages, warps = TMA_FORWARD_TILES if cuda else (16, 32, 16, 1, 4)
+        blocks = max(1, min(TMA_PART_BYTES // (16 * n), triton_cdiv(vocab, bn)))
+        part = torch.empty(4 * blocks * n, dtype=torch.float32, device=dev)
+        h_desc = TensorDescriptor.from_tensor(h2, [bm, bk])
+        w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
+        smoothing = spec.label_smoothing != 0.0
+        for v0 in range(0, vocab, blocks * bn):
+            cols = min(blocks * bn, vocab - v0)
+            n_blocks = triton_cdiv(cols, bn)
+            tiles = triton_cdiv(n, bm) * n_blocks
+            programs = min(tiles, num_sms(dev) if cuda else 3)
+            lse_tma_kernel[(programs,)](
+                h_desc, w_desc, bias if bias is not None else h2, labels, part, n, cols, v0,
+                hsize, float(spec.softcap or 1.0), programs,
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=spec.softcap is not None,
+                SMOOTHING=smoothing, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                WARP_SPECIALIZE=TMA_WARP_SPECIALIZE and cuda,
+                FAST_MATH=ZERO_FAST_MATH and nvidia_ptx(dev), UPCAST=not cuda,
+                num_stages=stages, num_warps=warps,
+            )  # fmt: skip
+            block_r, block_t = (128, 8) if cuda else (16, 4)
+            lse_merge_kernel[(triton_cdiv(n, block_r),)](
+                part, state, n, n_blocks, SMOOTHING=smoothing, BLOCK_R=block_r,
+                BLOCK_T=block_t, num_warps=4,
+            )  # fmt: skip
+
+
+#: Whether the zero-logits path's epilogue kernels (:func:`~.kernels.lse_cols_kernel`,
+#: :func:`~.kernels.logits_grad_cols_kernel`, :func:`~.kernels.lse_tma_kernel`) take the PTX
+#: ``exp``/``tanh`` approximations (``FAST_MATH``, kernels module docstring) on NVIDIA GPUs,
+#: as the row kernel does (probes switch it off for A/B runs).
+ZERO_FAST_MATH = True
+#: ``(BLOCK_R, BLOCK_C, num_warps)`` of :func:`~.kernels.logits_grad_cols_kernel` on a GPU:
+#: the fastest of 7 settings on an H200 (this one and :data:`LSE_COLS_LAUNCH`, of 9: summed
+#: over four shapes; BENCHMARKS.md, 2026-12-02 night).
+GRAD_COLS_LAUNCH = (2, 1024, 4)
+#: ``(BLOCK_R, BLOCK_C, num_warps)`` of :func:`~.kernels.lse_cols_kernel` on a GPU.
+LSE_COLS_LAUNCH = (4, 512, 4)
+
+
+#: :func:`~.kernels.lse_tma_kernel` on a GPU: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_stages,
+#: num_warps)``, and whether its tile loop is warp-specialised: the best or within 1 % of the
+#: best of five settings at Llama-3, Gemma-2 and Gemma-3 shapes on an H200 (BENCHMARKS.md,
+#: 2026-12-02 night). Four stages of 128 x 64 and 256 x 64 16-bit tiles take 192 KiB of
+#: shared memory: :data:`TMA_MIN_SHARED_MEM`.
+TMA_FORWARD_TILES = (128, 256, 64, 4, 8)
+TMA_WARP_SPECIALIZE = True
+TMA_MIN_SHARED_MEM = 200 * 1024
+#: Most bytes of :func:`~.kernels.lse_tma_kernel`'s per-block partials: the vocabulary runs
+#: in slices of as many column blocks, each merged into the rows' state after its launch.
+TMA_PART_BYTES = 4 * 2**20
+
+
+def _triton_has_tma_loops() -> bool:
+    """Whether this Triton has what :func:`~.kernels.lse_tma_kernel` uses: host tensor
+    descriptors and ``tl.range(..., flatten=, warp_specialize=)``."""
+    import inspect
+
+    import triton.language as tl
+
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    params = inspect.signature(tl.range.__init__).parameters
+    return "flatten" in params and "warp_specialize" in params
+
+
+@functools.lru_cache(maxsize=None)
+def tma_device(device: torch.device) -> bool:
+    """Whether :meth:`CudaLaunchers.lse_tma` can run on ``device``: an NVIDIA GPU with TMA
+    (compute capability 9.0 or later) and the shared memory of :data:`TMA_FORWARD_TILES`
+    (not sm_120's 99 KiB), and a Triton with host tensor descriptors and warp-specialised,
+    flattened loops (as 3.6 and 3.9 have); or the CPU (the Triton interpreter, which tests it)."""
+    if not _triton_has_tma_loops():
+        return False
+    if device.type == "cpu":
+        return True
+    return (nvidia_ptx(device) and torch.cuda.get_device_capability(device) >= (9, 0)
+            and max_shared_mem(device) >= TMA_MIN_SHARED_MEM)  # fmt: skip
 
 
 #: The default launchers of both drivers.

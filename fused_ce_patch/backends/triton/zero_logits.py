@@ -4,14 +4,19 @@ kernels are called through ``cfg.launchers``
 (:class:`~.launch.Launchers`): the CUDA kernels named below by default, the NPU's
 persistent-grid variants for backend ``"ascend"``.
 
-Forward, where hidden needs a gradient (:func:`matmul_forward_rows`): cuBLAS matmuls over
-chunks of vocabulary columns, each chunk's float32 logits (all rows, at most ``H / 2``
-columns: no more memory than the dH that backward allocates) merged by
-:func:`~.kernels.lse_cols_kernel` into every row's running max / sum of exponentials, target
-logit and (for label smoothing) sum of logits (:func:`lse_state_by_matmul`). Elsewhere
-(:func:`~.kernels.lse_forward_kernel`): each program multiplies a block of counted rows with
-the weight rows of one split of the vocabulary, tile by tile in registers, and keeps the same
-running values; the splits fill the GPU. Either way a few small torch ops turn them into one
+Forward on NVIDIA GPUs with TMA (Hopper on; :func:`tma_forward_rows`): every row through one
+Triton GEMM whose epilogue keeps the logits tile in registers and writes only each row's
+max / sum of exponentials / target logit / sum of logits per block of columns
+(:func:`~.kernels.lse_tma_kernel`), merged slice by slice into a running state
+(:func:`~.kernels.lse_merge_kernel`); on an H200 it runs at cuBLAS's speed for the logits
+matmul alone (BENCHMARKS.md, 2026-12-02 night). Elsewhere, where hidden needs a gradient
+(:func:`matmul_forward_rows`): cuBLAS matmuls over chunks of vocabulary columns, each chunk's
+float32 logits (all rows, at most ``H / 2`` columns: no more memory than the dH that backward
+allocates) merged by :func:`~.kernels.lse_cols_kernel` into the same running state
+(:func:`lse_state_by_matmul`). Elsewhere (:func:`~.kernels.lse_forward_kernel`): each
+program multiplies a block of counted rows with the weight rows of one split of the
+vocabulary, tile by tile in registers, and keeps the same running values; the splits fill the
+GPU. Either way a few small torch ops turn them into one
 float32 LSE and one loss per counted row.
 
 Backward, where it applies (16-bit inputs, dH and dW both wanted, ``V >= 2N``, not too many
@@ -60,7 +65,7 @@ from ...errors import single_backward
 from ..base import LossSpec
 from ..chunked import finish_loss
 from . import zero_logits_inplace
-from .launch import CUDA_LAUNCHERS, Launchers, row_offsets, triton_cdiv
+from .launch import CUDA_LAUNCHERS, Launchers, row_offsets, tma_device, triton_cdiv
 
 #: float32 accumulator of dH for one group of rows (bytes).
 DH_GROUP_BYTES = 4 * 2**20
@@ -92,7 +97,8 @@ def lse_forward(hidden, row_off, weight, bias, labels, spec: LossSpec,
         by_matmul: None (the Triton forward), or ``(h2, all_labels, valid_rows)``: every row
             of ``h2 [N, H]`` through :func:`lse_state_by_matmul` (``all_labels`` ``[N]``; an
             ignored row's label is only compared, never used as an index, and its state is
-            dropped), then the counted rows ``valid_rows`` taken.
+            dropped), then the counted rows ``valid_rows`` taken; with a fourth item True,
+            through ``launchers.lse_tma`` (:func:`tma_forward_rows`) instead.
     """
     m = labels.shape[0]
     vocab = weight.shape[0]
@@ -100,8 +106,12 @@ def lse_forward(hidden, row_off, weight, bias, labels, spec: LossSpec,
         empty = torch.empty(0, dtype=torch.float32, device=hidden.device)
         return empty, empty, empty, empty
     if by_matmul is not None:
-        h2, all_labels, valid_rows = by_matmul
-        state = lse_state_by_matmul(h2, weight, bias, all_labels, spec, launchers)
+        h2, all_labels, valid_rows, *tma = by_matmul
+        if tma and tma[0]:
+            state = _initial_state(h2.shape[0], h2.device)
+            launchers.lse_tma(h2, weight, bias, all_labels, state, spec)
+        else:
+            state = lse_state_by_matmul(h2, weight, bias, all_labels, spec, launchers)
         part = state.index_select(1, valid_rows).unsqueeze(1)  # one split of [M] rows
     else:
         part = launchers.lse_forward_partials(hidden, row_off, weight, bias, labels, spec)
@@ -164,6 +174,51 @@ def matmul_forward_rows(hidden, weight, launchers, need_h: bool, n_valid: int):
     return h2
 
 
+#: Whether the forward may run as :func:`~.kernels.lse_tma_kernel` (tests and probes switch it
+#: off to reach the other forwards).
+TMA_FORWARD = True
+
+
+def tma_forward_rows(hidden, weight, launchers, n_valid: int):
+    """``hidden`` as one ``[N, H]`` matrix where the forward runs as the TMA GEMM with the LSE in
+    its epilogue (``launchers.lse_tma``), else None: a :func:`~.launch.tma_device`, 16-bit
+    operands of one dtype whose rows are 16-byte aligned (TMA's rule), at least
+    :data:`MATMUL_FORWARD_MIN_COUNTED` of the rows counted (every row is multiplied), and at
+    most ``MAX_ROWS_PER_HIDDEN`` rows per hidden unit: at Gemma-3-270M's 32K rows and H = 640
+    (N/H = 51) it took 26 ms against the Triton forward's 24 on an H200 (short tiles, 128
+    vocabulary slices), while at N/H <= 8 it was 4-22 % faster than the matmul forward
+    (BENCHMARKS.md, 2026-12-02 night). It keeps no logits, so unlike
+    :func:`matmul_forward_rows` it needs no gradient of hidden."""
+    if not (TMA_FORWARD and n_valid > 0 and hasattr(launchers, "lse_tma")):
+        return None
+    if hidden.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != hidden.dtype:
+        return None
+    if not tma_device(hidden.device):
+        return None
+    hsize = weight.shape[1]
+    try:
+        h2 = hidden.view(-1, hsize)
+    except RuntimeError:
+        return None
+    for t in (h2, weight):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return None
+    n = h2.shape[0]
+    if n_valid < MATMUL_FORWARD_MIN_COUNTED * n:
+        return None
+    if n > zero_logits_inplace.MAX_ROWS_PER_HIDDEN * hsize:
+        return None
+    return h2
+
+
+def _initial_state(n: int, dev) -> torch.Tensor:
+    """Running LSE state ``[4, n]`` before any column: max ``NEG_BIG`` (finite, so that
+    ``exp(m_old - m_new)`` never sees ``-inf - (-inf)``), sums and target logit 0."""
+    state = torch.zeros(4, n, dtype=torch.float32, device=dev)
+    state[0].fill_(NEG_BIG)
+    return state
+
+
 def lse_state_by_matmul(h2, weight, bias, labels, spec: LossSpec, launchers) -> torch.Tensor:
     """Running LSE state ``[4, N]`` (float32: max, sum of exponentials, target logit, sum of
     logits) of every row of ``h2 [N, H]`` over the whole vocabulary: per chunk of ``c``
@@ -175,8 +230,7 @@ def lse_state_by_matmul(h2, weight, bias, labels, spec: LossSpec, launchers) -> 
     vocab, dev = weight.shape[0], h2.device
     align = zero_logits_inplace.COL_ALIGN
     width = zero_logits_inplace._chunk_width(n, hsize, dev)
-    state = torch.zeros(4, n, dtype=torch.float32, device=dev)
-    state[0].fill_(NEG_BIG)  # finite: exp(m_old - m_new) never sees -inf - (-inf)
+    state = _initial_state(n, dev)
     buf = torch.empty(n * width, dtype=torch.float32, device=dev)
     for v0 in range(0, vocab, width):
         c = min(width, vocab - v0)
@@ -235,11 +289,15 @@ class TritonZeroLogitsLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, valid_rows, cfg: ZeroLogitsConfig):
         y_valid = labels.index_select(0, valid_rows)
         row_off = row_offsets(hidden, valid_rows)
-        h2 = matmul_forward_rows(hidden, weight, cfg.launchers,
-                                 cfg.need_hidden_grad and ctx.needs_input_grad[0], cfg.n_valid)
+        h2 = tma_forward_rows(hidden, weight, cfg.launchers, cfg.n_valid)
+        tma = h2 is not None
+        if not tma:
+            h2 = matmul_forward_rows(hidden, weight, cfg.launchers,
+                                     cfg.need_hidden_grad and ctx.needs_input_grad[0],
+                                     cfg.n_valid)  # fmt: skip
         loss, lse, z_t, nll = lse_forward(
             hidden, row_off, weight, bias, y_valid, cfg.spec, cfg.launchers,
-            None if h2 is None else (h2, labels.contiguous(), valid_rows),  # kernel: unit stride
+            None if h2 is None else (h2, labels.contiguous(), valid_rows, tma),  # unit stride
         )
         ctx.cfg = cfg
         ctx.save_for_backward(hidden, weight, bias, valid_rows, y_valid, row_off, lse, z_t, nll)
