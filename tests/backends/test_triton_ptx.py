@@ -124,7 +124,7 @@ types = ["*fp32", "i64", "*bf16", "i64", "*bf16", "*i64", "*fp32", "*fp32", "*fp
 out = {}
 for softcap in (False, True):
     consts = dict(HAS_BIAS=True, HAS_SOFTCAP=softcap, SMOOTHING=True, BLOCK_R=2,
-                  BLOCK_C=1024, FIX_RNE=False)
+                  BLOCK_C=1024, FIX_RNE=False, FAST_MATH=True)
     signature = dict(zip(names, types)) | {k: "constexpr" for k in consts}
     k = triton.compile(ASTSource(fn=logits_grad_cols_kernel, signature=signature,
                                  constexprs=consts),

@@ -33,6 +33,9 @@ from fused_ce_patch.backends.triton import zero_logits_inplace as zi  # noqa: E4
 from fused_ce_patch.backends.triton.launch import CUDA_LAUNCHERS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("seed", "one_thread")
+if not launch._triton_has_tma_loops():
+    pytest.skip("this Triton has no host tensor descriptors or warp-specialised loops",
+                allow_module_level=True)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -187,7 +190,7 @@ def test_strided_labels(spy):
 
 @pytest.mark.parametrize("case", ["float32", "mostly ignored", "off", "rows not 16-byte aligned",
                                   "no lse_tma launcher", "gpu without TMA",
-                                  "many rows per hidden unit"])
+                                  "many rows per hidden unit", "expanded rows"])
 def test_steps_aside(monkeypatch, spy, case):
     n, h, v = 40, 32, 97
     dtype = torch.float32 if case == "float32" else torch.bfloat16
@@ -206,6 +209,8 @@ def test_steps_aside(monkeypatch, spy, case):
         monkeypatch.setattr(zl, "tma_device", lambda device: False)
     if case == "many rows per hidden unit":
         monkeypatch.setattr(zi, "MAX_ROWS_PER_HIDDEN", 1)  # N / H = 40 / 32 > 1
+    if case == "expanded rows":  # stride 0: TMA wants rows that do not overlap
+        hid = torch.randn(1, h).bfloat16().expand(n, h).requires_grad_()
     fused_linear_cross_entropy(hid, w, y, backend="triton", logits_budget=0).backward()
     assert spy[0] == []
     if case == "mostly ignored":  # and it runs with 60 % counted
@@ -232,15 +237,21 @@ def test_runs_where_the_matmul_forward_does_not(spy, case):
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("capability,smem,hip,want", [
-    ((9, 0), 232448, None, True), ((10, 0), 232448, None, True), ((8, 0), 166912, None, False),
-    ((12, 0), 101376, None, False), ((9, 4), 232448, "6.2", False),
+@pytest.mark.parametrize("capability,smem,hip,version,want", [
+    ((9, 0), 232448, None, "3.6.0", True), ((9, 0), 232448, None, "3.10.1+git", True),
+    ((9, 0), 232448, None, "3.5.1", False), ((10, 0), 232448, None, "3.6.0", False),
+    ((8, 0), 166912, None, "3.6.0", False), ((12, 0), 101376, None, "3.6.0", False),
+    ((9, 0), 101376, None, "3.6.0", False), ((9, 4), 232448, "6.2", "3.6.0", False),
+    ((9, 0), 232448, None, "main", False),
 ])  # fmt: skip
-def test_tma_device(monkeypatch, capability, smem, hip, want):
+def test_tma_device(monkeypatch, capability, smem, hip, version, want):
+    import triton
+
     launch.tma_device.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(launch, "max_shared_mem", lambda device: smem)
     monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(triton, "__version__", version)
     try:
         assert launch.tma_device(torch.device("cuda", 0)) is want
         assert launch.tma_device(torch.device("cpu")) is True  # the interpreter
@@ -263,3 +274,31 @@ def test_tma_device_needs_a_triton_with_tma_loops(monkeypatch):
         assert launch.tma_device(torch.device("cpu")) is False
     finally:
         launch.tma_device.cache_clear()
+
+
+def test_row_groups_keep_the_partials_within_their_bytes(monkeypatch, spy):
+    """More rows than one 16-byte block of partials each allows: the rows run in groups, the
+    partial buffer stays within ``TMA_PART_BYTES``, and the loss is float64's."""
+    n, h, v = 50, 16, 97
+    monkeypatch.setattr(launch, "TMA_PART_BYTES", 16 * 20)  # 20 rows a group: 20, 20, 10
+    sizes = []
+    empty = torch.empty
+
+    def spy_empty(*shape, **kw):
+        t = empty(*shape, **kw)
+        if kw.get("dtype") == torch.float32 and len(shape) == 1:
+            sizes.append(t.numel() * 4)
+        return t
+
+    monkeypatch.setattr(launch.torch, "empty", spy_empty)
+    hid = torch.randn(n, h).bfloat16()
+    w = (torch.randn(v, h) / h**0.5).bfloat16()
+    y = torch.randint(0, v, (n,))
+    y[::7] = -100
+    got = _run(hid, w, None, y)
+    assert spy[0][0] == n and len(spy[0]) == 4  # the whole, then three groups
+    assert sizes and max(sizes) <= 16 * 20
+    counted = y >= 0
+    ref = F.cross_entropy(hid.double() @ w.double().t(), y)
+    torch.testing.assert_close(got[0].double(), ref, rtol=1e-5, atol=1e-6)
+    assert counted.sum() < n

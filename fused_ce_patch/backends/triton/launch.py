@@ -529,7 +529,8 @@ class CudaLaunchers:
         slice, :func:`~.kernels.lse_tma_kernel` (the logits GEMM with the statistics in its
         epilogue; 16-bit ``h2`` and ``weight`` with 16-byte aligned rows, on a
         :func:`tma_device`) into per-block partials of at most :data:`TMA_PART_BYTES`, then
-        :func:`~.kernels.lse_merge_kernel`. ``labels`` int64 ``[N]`` (< 0: no target)."""
+        :func:`~.kernels.lse_merge_kernel`. ``labels`` int64 ``[N]`` (< 0: no target).
+        Beyond ``TMA_PART_BYTES / 16`` rows, groups of rows run one after another."""
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         n, hsize = h2.shape
@@ -537,9 +538,19 @@ class CudaLaunchers:
         dev = h2.device
         if n == 0 or vocab == 0:
             return
+        if n * TMA_PART_ROW_BLOCK_BYTES > TMA_PART_BYTES:
+            # more rows than one block of partials allows: groups of rows, each its own pass
+            step = TMA_PART_BYTES // TMA_PART_ROW_BLOCK_BYTES
+            for r0 in range(0, n, step):
+                rows = slice(r0, r0 + step)
+                part_state = state[:, rows].contiguous()  # the kernels read [4, rows] planes
+                self.lse_tma(h2[rows], weight, bias, labels[rows], part_state, spec)
+                state[:, rows] = part_state
+            return
         cuda = dev.type == "cuda"
         bm, bn, bk, stages, warps = TMA_FORWARD_TILES if cuda else (16, 32, 16, 1, 4)
-        blocks = max(1, min(TMA_PART_BYTES // (16 * n), triton_cdiv(vocab, bn)))
+        blocks = max(1, min(TMA_PART_BYTES // (TMA_PART_ROW_BLOCK_BYTES * n),
+                            triton_cdiv(vocab, bn)))  # fmt: skip
         part = torch.empty(4 * blocks * n, dtype=torch.float32, device=dev)
         h_desc = TensorDescriptor.from_tensor(h2, [bm, bk])
         w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
@@ -586,8 +597,13 @@ LSE_COLS_LAUNCH = (4, 512, 4)
 TMA_FORWARD_TILES = (128, 256, 64, 4, 8)
 TMA_WARP_SPECIALIZE = True
 TMA_MIN_SHARED_MEM = 200 * 1024
-#: Most bytes of :func:`~.kernels.lse_tma_kernel`'s per-block partials: the vocabulary runs
-#: in slices of as many column blocks, each merged into the rows' state after its launch.
+#: Oldest Triton the GPU runs :func:`~.kernels.lse_tma_kernel` with (the one measured).
+TMA_MIN_TRITON = (3, 6)
+#: Partial bytes per row and :func:`~.kernels.lse_tma_kernel` column block (4 float32).
+TMA_PART_ROW_BLOCK_BYTES = 16
+#: Most bytes of :func:`~.kernels.lse_tma_kernel`'s per-block partials in the zero-logits
+#: forward: the vocabulary runs in slices of as many column blocks, each merged into the rows'
+#: state after its launch (beyond 262144 rows, in groups of rows).
 TMA_PART_BYTES = 4 * 2**20
 
 
@@ -608,15 +624,23 @@ def _triton_has_tma_loops() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def tma_device(device: torch.device) -> bool:
-    """Whether :meth:`CudaLaunchers.lse_tma` can run on ``device``: an NVIDIA GPU with TMA
-    (compute capability 9.0 or later) and the shared memory of :data:`TMA_FORWARD_TILES`
-    (not sm_120's 99 KiB), and a Triton with host tensor descriptors and warp-specialised,
-    flattened loops (as 3.6 and 3.9 have); or the CPU (the Triton interpreter, which tests it)."""
+    """Whether :meth:`CudaLaunchers.lse_tma` can run on ``device``: a Hopper GPU (compute
+    capability 9.x, where it was measured; Triton's warp specialisation is young, and other
+    architectures keep the kernels measured there) with the shared memory of
+    :data:`TMA_FORWARD_TILES` and Triton >= :data:`TMA_MIN_TRITON` (the version measured); or
+    the CPU (the Triton interpreter, which tests it) with any Triton that has the API."""
     if not _triton_has_tma_loops():
         return False
     if device.type == "cpu":
         return True
-    return (nvidia_ptx(device) and torch.cuda.get_device_capability(device) >= (9, 0)
+    import triton
+
+    try:
+        version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2])
+    except ValueError:  # an unparsable development version: not the one measured
+        return False
+    return (nvidia_ptx(device) and version >= TMA_MIN_TRITON
+            and torch.cuda.get_device_capability(device)[0] == 9
             and max_shared_mem(device) >= TMA_MIN_SHARED_MEM)  # fmt: skip
 
 

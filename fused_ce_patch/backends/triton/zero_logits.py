@@ -200,8 +200,10 @@ def tma_forward_rows(hidden, weight, launchers, n_valid: int):
         h2 = hidden.view(-1, hsize)
     except RuntimeError:
         return None
-    for t in (h2, weight):
+    for t in (h2, weight):  # TMA: unit columns, 16-byte aligned rows, no overlapping rows
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return None
+        if t.stride(0) < t.shape[1]:  # an expanded (stride 0) view
             return None
     n = h2.shape[0]
     if n_valid < MATMUL_FORWARD_MIN_COUNTED * n:
