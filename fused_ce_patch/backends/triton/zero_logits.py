@@ -155,16 +155,26 @@ def matmul_forward_rows(hidden, weight, launchers, need_h: bool, n_valid: int):
     faster; BENCHMARKS.md, 2026-12-02 evening)."""
     if not (MATMUL_FORWARD and need_h and n_valid > 0 and hasattr(launchers, "lse_cols")):
         return None
-    if hidden.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != hidden.dtype:
-        return None
     if hidden.device.type == "cuda" and not zero_logits_inplace._cuda_fp32_out_matmuls():
+        return None
+    h2 = _all_rows(hidden, weight, n_valid)
+    if h2 is None or h2.stride(1) != 1 or weight.stride(1) != 1:
+        return None
+    if weight.shape[1] < 2 * zero_logits_inplace.COL_ALIGN:
+        return None
+    return h2
+
+
+def _all_rows(hidden, weight, n_valid: int):
+    """What both all-row forwards ask: ``hidden`` as an ``[N, H]`` view of 16-bit operands of
+    one dtype, at least :data:`MATMUL_FORWARD_MIN_COUNTED` of its rows counted (every row is
+    multiplied) and at most ``MAX_ROWS_PER_HIDDEN`` rows per hidden unit; else None."""
+    if hidden.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != hidden.dtype:
         return None
     hsize = weight.shape[1]
     try:
         h2 = hidden.view(-1, hsize)
     except RuntimeError:
-        return None
-    if h2.stride(1) != 1 or weight.stride(1) != 1 or hsize < 2 * zero_logits_inplace.COL_ALIGN:
         return None
     n = h2.shape[0]
     if n_valid < MATMUL_FORWARD_MIN_COUNTED * n:
@@ -191,25 +201,14 @@ def tma_forward_rows(hidden, weight, launchers, n_valid: int):
     :func:`matmul_forward_rows` it needs no gradient of hidden."""
     if not (TMA_FORWARD and n_valid > 0 and hasattr(launchers, "lse_tma")):
         return None
-    if hidden.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != hidden.dtype:
-        return None
-    if not tma_device(hidden.device):
-        return None
-    hsize = weight.shape[1]
-    try:
-        h2 = hidden.view(-1, hsize)
-    except RuntimeError:
+    h2 = _all_rows(hidden, weight, n_valid)
+    if h2 is None or not tma_device(hidden.device):
         return None
     for t in (h2, weight):  # TMA: unit columns, 16-byte aligned rows, no overlapping rows
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return None
         if t.stride(0) < t.shape[1]:  # an expanded (stride 0) view
             return None
-    n = h2.shape[0]
-    if n_valid < MATMUL_FORWARD_MIN_COUNTED * n:
-        return None
-    if n > zero_logits_inplace.MAX_ROWS_PER_HIDDEN * hsize:
-        return None
     return h2
 
 
