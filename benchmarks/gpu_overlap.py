@@ -223,7 +223,10 @@ def timed_eager_pass(torch, chunked_path, clock):
                 coef_v[start:stop], cfg.scale, cfg.spec, compute_lse=True, write_grad=True,
             )  # fmt: skip
             clock.lap("row kernel")
-            if grads.dw is not None:
+            if grads.dw is not None and grads.dw_fresh:  # as cp._backprop_chunk
+                torch.mm(z.t(), h, out=grads.dw)
+                grads.dw_fresh = False
+            elif grads.dw is not None:
                 grads.dw.addmm_(z.t(), h)
             clock.lap("dW addmm")
             if grads.db is not None:
@@ -240,7 +243,7 @@ def timed_eager_pass(torch, chunked_path, clock):
                 clock.lap("dH copy")
                 del part
             del z, h
-        cp._finish(cfg, grads, hidden, valid_rows, y_valid, coef_v)
+        cp._finish(cfg.launchers, grads, hidden, valid_rows, y_valid, coef_v)
         clock.lap("target dW")
         return loss_v, lse_v, nll_v, grads
 

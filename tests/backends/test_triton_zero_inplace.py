@@ -40,6 +40,15 @@ def _interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["tma-grad", "cols-grad"])
+def grad_kernel(request, monkeypatch):
+    """Each test twice: chunk gradients from the TMA GEMM with the gradient in its epilogue
+    (16-bit gradient only, where the operands suit TMA: rows of a multiple of 16 bytes), and
+    from float32 logits and ``logits_grad_cols`` (``zi.TMA_GRAD`` off)."""
+    monkeypatch.setattr(zi, "TMA_GRAD", request.param)
+    return request.param
+
+
 @pytest.fixture
 def spy(monkeypatch):
     """Counts the in-place backward's runs (``spy.plans``: their plans)."""
@@ -52,6 +61,21 @@ def spy(monkeypatch):
         return original(p, *args, **kw)
 
     monkeypatch.setattr(zi, "backward", wrapped)
+    return calls
+
+
+@pytest.fixture
+def tma_spy(monkeypatch):
+    """Records each ``launchers.grad_tma`` call (its chunk's column count)."""
+    calls = []
+    launchers = type(CUDA_LAUNCHERS)
+    original = launchers.grad_tma
+
+    def wrapped(self, h2, weight, g, *args, **kw):
+        calls.append(g.shape[1])
+        return original(self, h2, weight, g, *args, **kw)
+
+    monkeypatch.setattr(launchers, "grad_tma", wrapped)
     return calls
 
 
@@ -124,16 +148,39 @@ OPTIONS = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(map(str, o)) or "plain")
 @pytest.mark.parametrize("compact", [True, False], ids=["counted-rows", "all-rows"])
-def test_against_float64(oracle, spy, monkeypatch, dtype, opts, compact):
-    """N = 39 rows (a quarter ignored), odd H = 23 (chunks of 11 columns), prime V = 211; the
-    first pass over the counted rows (gathered) or over all rows."""
+def test_against_float64(oracle, spy, tma_spy, monkeypatch, grad_kernel, dtype, opts, compact):
+    """N = 39 rows (a quarter ignored), prime V = 211; the first pass over the counted rows
+    (gathered) or over all rows. Float32 logits: odd H = 23 (chunks of 11 columns); the TMA
+    gradient: H = 24 (rows of 48 bytes, chunks of 24 columns, 16-bit gradient only)."""
     _force_compact(monkeypatch, compact)
     opts = dict(opts)
     bias = opts.pop("bias", False)
-    hidden, weight, labels, b = make(CASE, (3, 13), 23, 211, dtype=dtype, bias=bias,
-                                     logit_std=3.0)  # fmt: skip
+    hidden, weight, labels, b = make(CASE, (3, 13), 24 if grad_kernel else 23, 211,
+                                     dtype=dtype, bias=bias, logit_std=3.0)  # fmt: skip
     _check(oracle, _run(oracle, hidden, weight, labels, b, **opts))
     assert spy == [1] and spy.plans[0].compact == compact
+    assert (len(tma_spy) > 0) == grad_kernel
+
+
+def test_tma_gradient_rows_per_hidden(oracle, spy, tma_spy, grad_kernel):
+    """N / H = 20 (160 rows, H = 8): above ``MAX_ROWS_PER_HIDDEN`` (the tiled kernels run with
+    float32 logits) and within ``MAX_ROWS_PER_HIDDEN_TMA`` (the in-place backward runs with the
+    TMA gradient); exact either way."""
+    assert zi.MAX_ROWS_PER_HIDDEN < 20 <= zi.MAX_ROWS_PER_HIDDEN_TMA
+    hidden, weight, labels, b = make(CASE, (4, 40), 8, 401, dtype=torch.bfloat16,
+                                     logit_std=2.0)  # fmt: skip
+    _check(oracle, _run(oracle, hidden, weight, labels, b, softcap=10.0))
+    assert spy == ([1] if grad_kernel else [])
+    assert (len(tma_spy) > 0) == grad_kernel
+
+
+def test_tma_gradient_needs_aligned_rows(spy, tma_spy, grad_kernel):
+    """Rows of 40 bytes (H = 20) do not suit TMA: float32 logits and ``logits_grad_cols``
+    even with ``TMA_GRAD`` on."""
+    hidden, weight, labels, _ = make(CASE, (30,), 20, 97, dtype=torch.bfloat16)
+    loss = CASE.loss(hidden, weight, labels)
+    torch.autograd.grad(loss, (hidden, weight))
+    assert spy == [1] and tma_spy == []
 
 
 @pytest.mark.parametrize("cols", [1, 4, 7])
@@ -221,7 +268,7 @@ def test_ignored_rows_get_zero_and_all_ignored(spy):
     assert loss.item() == 0.0 and not dh.any() and not dw.any() and spy == [1]
 
 
-def test_steps_aside():
+def test_steps_aside(grad_kernel):
     """Cases the plan leaves to the tiled kernels."""
     h16 = torch.randn(40, 8, dtype=torch.bfloat16)
     w16 = torch.randn(97, 8, dtype=torch.bfloat16)
@@ -238,21 +285,51 @@ def test_steps_aside():
     every_other = torch.randn(40, 16, dtype=torch.bfloat16)[:, ::2]  # columns not unit-stride
     assert zi.plan(every_other, w16, CUDA_LAUNCHERS, True, True, 30) is None
     assert zi.plan(h16, w16.t().contiguous().t(), CUDA_LAUNCHERS, True, True, 30) is None
-    many_rows = torch.randn(17 * 8, 8, dtype=torch.bfloat16)  # N > MAX_ROWS_PER_HIDDEN * H
-    assert zi.plan(many_rows, torch.randn(400, 8, dtype=torch.bfloat16), CUDA_LAUNCHERS,
-                   True, True, 30) is None  # fmt: skip
+    # N > MAX_ROWS_PER_HIDDEN(_TMA) * H; rows of 16 bytes suit the TMA gradient
+    most = zi.MAX_ROWS_PER_HIDDEN_TMA if grad_kernel else zi.MAX_ROWS_PER_HIDDEN
+    for rows, steps_aside in ((most * 8, False), ((most + 1) * 8, True)):
+        h = torch.randn(rows, 8, dtype=torch.bfloat16)
+        w = torch.randn(2 * rows + 3, 8, dtype=torch.bfloat16)
+        assert (zi.plan(h, w, CUDA_LAUNCHERS, True, True, rows) is None) == steps_aside, rows
 
 
-def test_no_tail_room_steps_aside_even_with_min_tail_cols_zero(monkeypatch):
-    """A scratch buffer too small for one float32 column of N rows gives tail chunks of no
-    columns: the plan must step aside (a loop over chunks of width 0 would never end)."""
+def test_no_tail_room_steps_aside_even_with_min_tail_cols_zero(monkeypatch, grad_kernel):
+    """A scratch buffer too small for one column of N rows (float32 logits, or the TMA
+    gradient's 16-bit values) gives tail chunks of no columns: the plan must step aside (a
+    loop over chunks of width 0 would never end)."""
     h16 = torch.randn(40, 8, dtype=torch.bfloat16)
     w16 = torch.randn(97, 8, dtype=torch.bfloat16)
-    monkeypatch.setattr(zi, "TAIL_SCRATCH_BYTES", 4 * 40 - 4)  # under one column of 40 rows
+    per_logit = 2 if grad_kernel else 4  # rows of 16 bytes suit the TMA gradient
+    monkeypatch.setattr(zi, "TAIL_SCRATCH_BYTES", per_logit * 40 - 4)  # under one column
     for min_cols in (16, 1, 0):
         monkeypatch.setattr(zi, "MIN_TAIL_COLS", min_cols)
         assert zi.plan(h16, w16, CUDA_LAUNCHERS, True, True, 30) is None
         assert zi.plan(h16, w16, CUDA_LAUNCHERS, True, True, 10) is None  # counted-rows pass
+
+
+def test_tail_room_counts_the_gradients_slots(monkeypatch, grad_kernel):
+    """A scratch buffer of 1300 bytes holds 8 float32 columns of 40 rows (under
+    ``MIN_TAIL_COLS`` = 16: the plan steps aside) but 16 columns of the TMA gradient's 16-bit
+    values (the plan runs): the plan sizes its tail chunks by what the passes store."""
+    monkeypatch.setattr(zi, "TAIL_SCRATCH_BYTES", 1300)
+    monkeypatch.setattr(zi, "MIN_TAIL_COLS", 16)
+    h16 = torch.randn(40, 8, dtype=torch.bfloat16)  # rows of 16 bytes
+    w16 = torch.randn(97, 8, dtype=torch.bfloat16)
+    p = zi.plan(h16, w16, CUDA_LAUNCHERS, True, True, 40)
+    assert (p is not None) == grad_kernel
+    if grad_kernel:
+        assert p.tail_cols == 16
+
+
+def test_padded_rows_keep_the_float32_rule(grad_kernel):
+    """H = 20 in rows padded to 24 (48 bytes: hidden itself suits TMA, its gathered rows of
+    40 bytes do not): the counted-rows pass would form float32 logits, so the float32 rule
+    ``N <= MAX_ROWS_PER_HIDDEN * H`` holds there with the TMA gradient on too."""
+    rows = (zi.MAX_ROWS_PER_HIDDEN + 1) * 20
+    h = torch.randn(rows, 24, dtype=torch.bfloat16)[:, :20]
+    w = torch.randn(2 * rows + 3, 24, dtype=torch.bfloat16)[:, :20]
+    assert zi._tma_grad(h, w, CUDA_LAUNCHERS) == grad_kernel
+    assert zi.plan(h, w, CUDA_LAUNCHERS, True, True, rows - 7) is None
 
 
 def test_chunk_width_follows_the_l2_cache(monkeypatch):

@@ -38,6 +38,15 @@ def _interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["tma-grad", "cols-grad"])
+def grad_kernel(request, monkeypatch):
+    """Each test twice: chunk gradients from the TMA GEMM with the gradient in its epilogue
+    (16-bit gradient only, where the operands suit TMA: rows of a multiple of 16 bytes), and
+    from float32 logits and ``logits_grad_cols`` (``zi.TMA_GRAD`` off)."""
+    monkeypatch.setattr(zi, "TMA_GRAD", request.param)
+    return request.param
+
+
 def _check(oracle, out):
     """As ``test_triton_zero_inplace._check``, or within one ulp per element
     (``oracle.one_ulp_err``): with M = 1 or H = 2 the gradients have so few elements that
@@ -71,8 +80,13 @@ def log(monkeypatch):
 
     def spy_grad(self, buf, v0, v1, room):
         rows = self.h.shape[0]
-        z, _ = zi._overlay(buf, rows, v1 - v0, room)  # the logits' extent, padded rows included
-        extent = 2 * ((rows - 1) * z.stride(0) + (v1 - v0)) if rows else 0
+        z, g = zi._overlay(buf, rows, v1 - v0, room, self.slots())
+        if z is None:  # the TMA kernel writes the 16-bit gradient only
+            z, per = g, 1
+        else:
+            per = 2
+        # the logits' (or gradient's) extent in 16-bit elements, padded rows included
+        extent = per * ((rows - 1) * z.stride(0) + (v1 - v0)) if rows else 0
         out.events[-1].append(("grad", buf.untyped_storage().data_ptr(), buf.storage_offset(),
                                rows, v0, v1, self.h.untyped_storage().data_ptr(),
                                extent, z.stride(0)))  # fmt: skip
@@ -190,12 +204,14 @@ def test_chunk_rows_aligned(oracle, log, monkeypatch, compact):
 
 
 @pytest.mark.parametrize("tail", [1, 4, 1000], ids=["one-col", "four-col", "large"])
-@pytest.mark.parametrize("hsize, vocab", [(2, 35), (3, 35), (17, 35), (40, 25)])
+@pytest.mark.parametrize("hsize, vocab", [(2, 35), (3, 35), (8, 35), (17, 35), (40, 25)])
 def test_layout_at_small_and_odd_widths(oracle, log, monkeypatch, tail, hsize, vocab):
     """H = 2 or 3 (one column a chunk of dH's storage), 17 with M H odd (the accumulator's
     start rounded down to 16 bytes, the tail loop's logits rounded up), or 40 with V = 2M + 3:
-    the columns under the accumulator 5 a chunk (their logits must fit below it), not H/2.
-    M = 11 of 21 rows; V = 35 about the fewest columns the counted-rows pass fits in at H = 2."""
+    the columns under the accumulator 5 a chunk (their logits must fit below it), not H/2;
+    H = 8 and 40 (rows of a multiple of 16 bytes) take the TMA gradient's one-slot layout in the
+    ``tma-grad`` runs. M = 11 of 21 rows; V = 35 about the fewest columns the counted-rows pass
+    fits in at H = 2."""
     _force_compact(monkeypatch, True)
     monkeypatch.setattr(zi, "TAIL_SCRATCH_BYTES", 4 * 21 * tail)
     monkeypatch.setattr(zi, "MIN_TAIL_COLS", 1)

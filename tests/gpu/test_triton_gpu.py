@@ -316,3 +316,41 @@ def test_zero_logits_forwards_agree(monkeypatch, n, h, v, dtype, opts):
         for a, c in zip(runs["tma"][1:], runs[other][1:]):
             assert rel(a, c) <= 1e-3, other
     assert rel(runs["tma"][0], reference(hidden, weight, labels, bias=b, **opts)) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "n, h, v, dtype, opts",
+    [
+        (2048, 2304, 256000, torch.bfloat16, {"softcap": 30.0, "bias": True}),
+        (4096, 128, 65536, torch.bfloat16, {"label_smoothing": 0.1, "z_loss": 1e-4}),
+        (1500, 1024, 50257, torch.float16, {"reduction": "sum"}),
+    ],
+    ids=["gemma2-softcap-bias", "n-per-h-32-smoothing-zloss", "fp16-odd-vocab"],
+)
+def test_zero_logits_gradient_kernels_agree(monkeypatch, n, h, v, dtype, opts):
+    """The in-place backward's chunk gradients from the TMA GEMM with the gradient in its
+    epilogue (the default on this GPU; spied) and from float32 cuBLAS logits with
+    ``logits_grad_cols`` give the same gradients to float32 summation order; at N/H = 32 (above
+    ``MAX_ROWS_PER_HIDDEN``) the float32-logit run is the tiled kernels'."""
+    from fused_ce_patch.backends.triton import launch, zero_logits_inplace
+
+    if not launch.tma_device(torch.device("cuda")):
+        pytest.skip("no TMA on this GPU")
+    calls = []
+    original = launch.CudaLaunchers.grad_tma
+    monkeypatch.setattr(launch.CudaLaunchers, "grad_tma",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))  # fmt: skip
+    opts = dict(opts)
+    hidden, weight, labels, b = inputs(n, h, v, dtype, bias=opts.pop("bias", False))
+    leaves = [t for t in (hidden, weight, b) if t is not None]
+    runs = {}
+    for tma in (True, False):
+        monkeypatch.setattr(zero_logits_inplace, "TMA_GRAD", tma)
+        calls.clear()
+        loss = fused_linear_cross_entropy(hidden, weight, labels, bias=b, backend="triton",
+                                          logits_budget=0, **opts)  # fmt: skip
+        runs[tma] = (loss, *torch.autograd.grad(loss, leaves))
+        assert (len(calls) > 0) == tma
+    assert torch.equal(runs[True][0], runs[False][0])  # the same forward
+    for a, c in zip(runs[True][1:], runs[False][1:]):
+        assert rel(a, c) <= 1e-3

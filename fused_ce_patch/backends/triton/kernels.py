@@ -53,7 +53,8 @@ Device differences are compile-time switches, set by the launchers (``launch.py`
 - ``ATOMIC_SEM``: ``"relaxed"`` on CUDA (``red.global.add``, no fence); ascend keeps Triton's
   default, the only float32 ``atomic_add`` its op table lists (return value unused).
 - ``FAST_MATH`` (NVIDIA CUDA: the row kernel and the zero-logits epilogues,
-  :func:`lse_cols_kernel`, :func:`logits_grad_cols_kernel`, :func:`lse_tma_kernel`): the
+  :func:`lse_cols_kernel`, :func:`logits_grad_cols_kernel`, :func:`lse_tma_kernel`,
+  :func:`grad_tma_kernel`): the
   per-logit ``exp`` and the softcap's reciprocal are PTX ``ex2.approx.ftz`` / ``rcp.approx.ftz``
   (:func:`_exp`, :func:`_recip`).
   ``tl.exp`` and ``/`` compile to the same approximations wrapped in range fix-ups for
@@ -1139,3 +1140,71 @@ def lse_merge_kernel(part_ptr, state_ptr, n_rows, n_blocks, SMOOTHING: tl.conste
     tl.store(state_ptr + n_rows + rows, s, mask=row_ok)
     tl.store(state_ptr + 2 * n_rows + rows, z_t, mask=row_ok)
     tl.store(state_ptr + 3 * n_rows + rows, z_s, mask=row_ok)
+
+
+# -- zero-logits path, in-place backward on Hopper: the chunk's gradient in the GEMM epilogue --
+
+
+@triton.jit
+def grad_tma_kernel(h_desc, w_desc, g_ptr, stride_g, b_ptr, labels_ptr, lse_ptr, p_scale_ptr,
+                    scale_ptr, n_rows, n_cols, v0, vocab, hsize, softcap, label_smoothing,
+                    n_programs, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    SMOOTHING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    WARP_SPECIALIZE: tl.constexpr, FAST_MATH: tl.constexpr,
+                    UPCAST: tl.constexpr, FIX_RNE: tl.constexpr):  # fmt: skip
+    """The input-dtype gradient ``g [n_rows, n_cols] = scale_r * dL/dz`` of the vocabulary
+    columns ``[v0, v0 + n_cols)`` without the target column, straight from ``h [n_rows, H]``
+    and ``W``: the logits GEMM of :func:`lse_tma_kernel` (TMA descriptors, persistent grid of
+    ``n_programs``, grouped tiles) with :func:`logits_grad_cols_kernel`'s formula in its
+    epilogue, so the float32 logits never leave registers:
+
+        g = exp(s - LSE_r) * p_scale_r - scale_r * eps / V     (times ds/dz with softcap)
+
+    ``s`` the bias-added, softcapped logit; 0 in each row's target column and in every row
+    whose label is negative. ``g`` row stride ``stride_g`` (elements); it must not overlap
+    ``h`` or ``W``. Each program owns its output tiles; no atomics. ``labels`` int64; ``lse``,
+    ``p_scale``, ``scale`` float32 ``[n_rows]``."""
+    num_m = tl.cdiv(n_rows, BLOCK_M)
+    num_n = tl.cdiv(n_cols, BLOCK_N)
+    k_tiles = tl.cdiv(hsize, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, n_programs, flatten=True,
+                         warp_specialize=WARP_SPECIALIZE):  # fmt: skip
+        pm, pn = _grouped_tile(tile, num_m, num_n, GROUP_M)
+        off_m = pm * BLOCK_M
+        off_n = pn * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for kk in range(k_tiles):
+            a = h_desc.load([off_m, kk * BLOCK_K])
+            b = w_desc.load([v0 + off_n, kk * BLOCK_K])
+            if UPCAST:  # the interpreter multiplies raw 16-bit patterns (module docstring)
+                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc,
+                             input_precision="ieee")  # fmt: skip
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_cols
+        rows = off_m + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        y = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        p_scale = tl.load(p_scale_ptr + rows, mask=row_ok, other=0.0)
+        x = acc
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + cols, mask=col_ok, other=0.0)
+            x += bias.to(tl.float32)[None, :]
+        if HAS_SOFTCAP:
+            t, slope = _tanh_and_slope(x * (1.0 / softcap), FAST_MATH)
+            x = softcap * t
+        g = _exp(x - lse[:, None], FAST_MATH) * p_scale[:, None]
+        if SMOOTHING:
+            scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+            g -= (scale * (label_smoothing / vocab))[:, None]
+        if HAS_SOFTCAP:
+            g = g * slope
+        keep = (y >= 0)[:, None] & (cols[None, :] != (y - v0)[:, None])
+        g = _cast(tl.where(keep, g, 0.0), g_ptr.dtype.element_ty, FIX_RNE)
+        out = g_ptr + tl.cast(off_m, tl.int64) * stride_g
+        local = tl.arange(0, BLOCK_M)
+        tl.store(out + local[:, None] * stride_g + cols[None, :], g,
+                 mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip

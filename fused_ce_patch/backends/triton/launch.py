@@ -24,6 +24,7 @@ from ..base import LossSpec
 from .kernels import (
     dhidden_dweight_backward_kernel,
     dhidden_rows_store_kernel,
+    grad_tma_kernel,
     logits_grad_cols_kernel,
     logits_grad_inplace_kernel,
     lse_cols_kernel,
@@ -258,7 +259,11 @@ class Launchers(Protocol):
     # such chunk into the rows' running LSE (:func:`~.kernels.lse_cols_kernel`; launchers
     # without it keep the forward on ``lse_forward_partials``); ``lse_tma(h2, weight, bias,
     # labels, state, spec)``, the zero-logits forward of every row as one Triton GEMM with the
-    # LSE in its epilogue, where :func:`tma_device` holds (:func:`~.kernels.lse_tma_kernel`).
+    # LSE in its epilogue, where :func:`tma_device` holds (:func:`~.kernels.lse_tma_kernel`);
+    # ``grad_tma(h2, weight, g, bias, labels, lse, p_scale, scale, v0, spec)``, the in-place
+    # backward's chunk gradient straight from the operands, one GEMM with the gradient in its
+    # epilogue (:func:`~.kernels.grad_tma_kernel`; launchers without it keep float32 logits
+    # and ``logits_grad_cols``).
 
 
 def _flags(spec: LossSpec) -> dict:
@@ -575,9 +580,40 @@ class CudaLaunchers:
                 BLOCK_T=block_t, num_warps=4,
             )  # fmt: skip
 
+    def grad_tma(self, h2, weight, g, bias, labels, lse, p_scale, scale, v0, spec):
+        """:func:`~.kernels.grad_tma_kernel`: the input-dtype gradient ``g [N, c]`` (any row
+        stride, not overlapping the operands) of the vocabulary columns ``[v0, v0 + c)``
+        straight from ``h2 [N, H]`` and ``weight`` (16-bit, 16-byte aligned rows, on a
+        :func:`tma_device`), as :meth:`logits_grad_cols` forms it from float32 logits;
+        ``labels`` int64 (< 0: row not counted), ``lse``, ``p_scale``, ``scale`` float32
+        ``[N]``."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        n, c = g.shape
+        if n == 0 or c == 0:
+            return
+        dev = h2.device
+        cuda = dev.type == "cuda"
+        bm, bn, bk, stages, warps = TMA_GRAD_TILES if cuda else (16, 32, 16, 1, 4)
+        tiles = triton_cdiv(n, bm) * triton_cdiv(c, bn)
+        programs = min(tiles, num_sms(dev) if cuda else 3)
+        grad_tma_kernel[(programs,)](
+            TensorDescriptor.from_tensor(h2, [bm, bk]),
+            TensorDescriptor.from_tensor(weight, [bn, bk]),
+            g, g.stride(0), bias if bias is not None else h2, labels, lse, p_scale, scale,
+            n, c, v0, weight.shape[0], h2.shape[1], float(spec.softcap or 1.0),
+            float(spec.label_smoothing), programs,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=spec.softcap is not None,
+            SMOOTHING=spec.label_smoothing != 0.0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            GROUP_M=8, WARP_SPECIALIZE=TMA_WARP_SPECIALIZE and cuda,
+            FAST_MATH=ZERO_FAST_MATH and nvidia_ptx(dev), UPCAST=not cuda, FIX_RNE=not cuda,
+            num_stages=stages, num_warps=warps,
+        )  # fmt: skip
+
 
 #: Whether the zero-logits path's epilogue kernels (:func:`~.kernels.lse_cols_kernel`,
-#: :func:`~.kernels.logits_grad_cols_kernel`, :func:`~.kernels.lse_tma_kernel`) take the PTX
+#: :func:`~.kernels.logits_grad_cols_kernel`, :func:`~.kernels.lse_tma_kernel`,
+#: :func:`~.kernels.grad_tma_kernel`) take the PTX
 #: ``exp``/``tanh`` approximations (``FAST_MATH``, kernels module docstring) on NVIDIA GPUs,
 #: as the row kernel does (probes switch it off for A/B runs).
 ZERO_FAST_MATH = True
@@ -596,6 +632,10 @@ LSE_COLS_LAUNCH = (4, 512, 4)
 #: shared memory: :data:`TMA_MIN_SHARED_MEM`.
 TMA_FORWARD_TILES = (128, 256, 64, 4, 8)
 TMA_WARP_SPECIALIZE = True
+#: :func:`~.kernels.grad_tma_kernel` on a GPU, as :data:`TMA_FORWARD_TILES`: at Gemma-2's
+#: shape on an H200 65.5 ms fwd+bwd against 82.4 with 128 x 256 tiles (its larger epilogue),
+#: the others of five settings within 1 ms (BENCHMARKS.md, 2026-12-03).
+TMA_GRAD_TILES = (128, 128, 64, 4, 8)
 TMA_MIN_SHARED_MEM = 200 * 1024
 #: Oldest Triton the GPU runs :func:`~.kernels.lse_tma_kernel` with (the one measured).
 TMA_MIN_TRITON = (3, 6)
@@ -642,6 +682,17 @@ def tma_device(device: torch.device) -> bool:
     return (nvidia_ptx(device) and version >= TMA_MIN_TRITON
             and torch.cuda.get_device_capability(device)[0] == 9
             and max_shared_mem(device) >= TMA_MIN_SHARED_MEM)  # fmt: skip
+
+
+def tma_operands(*tensors) -> bool:
+    """Whether each tensor can be a TMA descriptor's ``[rows, cols]`` matrix: unit column
+    stride, 16-byte aligned start and rows, rows that do not overlap (no stride-0 view)."""
+    for t in tensors:
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+        if t.stride(0) < t.shape[1]:
+            return False
+    return True
 
 
 #: The default launchers of both drivers.

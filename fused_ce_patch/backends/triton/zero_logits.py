@@ -23,7 +23,9 @@ Backward, where it applies (16-bit inputs, dH and dW both wanted, ``V >= 2N``, n
 rows per hidden unit; :func:`.zero_logits_inplace.plan`): :mod:`.zero_logits_inplace`, one
 vocabulary chunk of recomputed logits at a time in dH's and dW's not-yet-filled storage,
 cuBLAS matmuls that each own their output — exact, bitwise repeatable, no float32 atomics,
-2.2-3.6x faster than the tiled backward below on an H200 (BENCHMARKS.md, 2026-12-02).
+2.2-3.6x faster than the tiled backward below on an H200 (BENCHMARKS.md, 2026-12-02); on
+Hopper each chunk's gradient comes from one TMA GEMM with the gradient in its epilogue, and
+it runs up to N/H = 64 (Gemma-3-270M at 32K tokens: 122 ms against the tiled 162).
 
 Backward elsewhere, the tiled kernels (:func:`~.kernels.dhidden_dweight_backward_kernel`): the
 logit tiles are recomputed, turned into ``scale * dL/dz`` without each row's target column and
@@ -48,7 +50,8 @@ under 8 MiB:
 Speed of the tiled backward: the float32 atomics bound it (about ``N*H*V/64`` element adds at
 128 x 128 tiles; 128 x 256 where ``H <= 1024`` and the GPU has the shared memory); on an H200
 it was 2.4-3.8x slower than Cut Cross-Entropy's filtered default. It still runs at Gemma-3's
-shape (32K rows, H = 640), where the in-place backward is bandwidth-bound and slower.
+shape (32K rows, H = 640) off Hopper, where the in-place backward with float32 logits is
+bandwidth-bound and slower.
 
 Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024), for the
 tiled forward and the recomputing backward; Milakov & Gimelshein (2018) for the online LSE.
@@ -65,7 +68,8 @@ from ...errors import single_backward
 from ..base import LossSpec
 from ..chunked import finish_loss
 from . import zero_logits_inplace
-from .launch import CUDA_LAUNCHERS, Launchers, row_offsets, tma_device, triton_cdiv
+from .launch import (CUDA_LAUNCHERS, Launchers, row_offsets, tma_device, tma_operands,
+                     triton_cdiv)
 
 #: float32 accumulator of dH for one group of rows (bytes).
 DH_GROUP_BYTES = 4 * 2**20
@@ -204,12 +208,7 @@ def tma_forward_rows(hidden, weight, launchers, n_valid: int):
     h2 = _all_rows(hidden, weight, n_valid)
     if h2 is None or not tma_device(hidden.device):
         return None
-    for t in (h2, weight):  # TMA: unit columns, 16-byte aligned rows, no overlapping rows
-        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            return None
-        if t.stride(0) < t.shape[1]:  # an expanded (stride 0) view
-            return None
-    return h2
+    return h2 if tma_operands(h2, weight) else None
 
 
 def _initial_state(n: int, dev) -> torch.Tensor:

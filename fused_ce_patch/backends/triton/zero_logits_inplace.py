@@ -31,6 +31,13 @@ columns under ``acc`` get their dW from all rows as above.
 Chunks are at most H/2 columns wide and, on a GPU, hold at most about its L2 cache's size of
 float32 logits (:func:`chunk_cols`): the matmul's output is then read back from L2.
 
+On Hopper (:func:`_tma_grad`: the TMA forward's device conditions and operands with 16-byte
+aligned rows) ``Z`` and ``G`` are one Triton GEMM over TMA descriptors with the gradient in
+its epilogue (:func:`~.kernels.grad_tma_kernel`): the float32 logits stay in registers, only
+``G`` (16-bit) is stored, so a chunk's buffer needs one 16-bit element per logit, not two
+(:meth:`_Chunks.slots`): chunks of up to H columns, L2-sized in 16-bit values. The same
+products and float32 sums; ``Z`` differs from cuBLAS's in float32 summation order only.
+
 The logits are float32 (as in forward, whose LSE the gradient uses: 16-bit logits against a
 float32 LSE tripled the gradient error in a test). The target column, ``coef_r``: kernels
 module docstring. The matmuls run at cuBLAS speed; the vocabulary columns under ``acc`` (2N
@@ -40,7 +47,8 @@ matmul), plus once more for the rows that are some row's target.
 
 Runs when hidden and weight both need gradients, are float16/bfloat16 of one dtype, the rows
 of ``hidden`` form one ``[N, H]`` matrix with unit column stride (and ``W`` unit column
-stride), ``V >= 2N``, ``N <= MAX_ROWS_PER_HIDDEN * H``, the tail buffer holds a chunk of a
+stride), ``V >= 2N``, ``N <= MAX_ROWS_PER_HIDDEN * H`` (``MAX_ROWS_PER_HIDDEN_TMA`` with the
+TMA gradient), the tail buffer holds a chunk of a
 useful width, and (on GPUs) torch has float32-output matmuls for 16-bit operands on NVIDIA;
 otherwise the tiled kernels (:mod:`.zero_logits`) run.
 
@@ -57,6 +65,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import LossSpec
+from .launch import tma_device, tma_operands
 
 #: Whether the in-place backward may run (tests switch it off to reach the tiled kernels).
 ENABLED = True
@@ -68,6 +77,11 @@ TAIL_SCRATCH_BYTES = 4 * 2**20
 #: bandwidth-bound. On an H200 it was 3.0x faster than the tiled kernels at N/H = 2
 #: (Llama-3, 8K rows) and 1.3x slower at N/H = 51 (Gemma-3-270M, 32K rows); BENCHMARKS.md.
 MAX_ROWS_PER_HIDDEN = 16
+#: The same where each chunk's gradient comes from the TMA GEMM (:func:`_tma_grad`): no
+#: float32 logits cross memory, and chunks are twice as wide. On an H200 it took 122 ms against
+#: the tiled kernels' 162 at N/H = 51 (Gemma-3-270M, 32K rows; BENCHMARKS.md, 2026-12-03);
+#: more rows per hidden unit were not measured.
+MAX_ROWS_PER_HIDDEN_TMA = 64
 #: Fewest vocabulary columns a tail chunk should have; fewer: the tiled kernels run instead.
 #: (Read as at least 1: a chunk of no columns would never finish the vocabulary.)
 MIN_TAIL_COLS = 16
@@ -90,6 +104,11 @@ COMPACT = True
 #: there with 10 % (2M / V = 0.46). BENCHMARKS.md, 2026-12-02 afternoon.
 COMPACT_MIN_SAVING = 0.08
 COMPACT_MAX_UNDER = 0.4
+#: Whether a chunk's gradient may come from one TMA GEMM with the gradient in its epilogue
+#: (``launchers.grad_tma``, :func:`~.kernels.grad_tma_kernel`) where :func:`~.launch.tma_device`
+#: holds and the operands suit TMA, instead of a float32 cuBLAS matmul and
+#: ``logits_grad_cols`` (tests and probes switch it off).
+TMA_GRAD = True
 #: float32 accumulator start, in 16-bit elements: 16-byte aligned for the matmuls.
 _ALIGN = 8
 
@@ -126,13 +145,17 @@ def plan(hidden, weight, launchers, need_h: bool, need_w: bool, n_valid: int):
     if h2.stride(1) != 1 or weight.stride(1) != 1:  # matmuls would copy the operand
         return None
     n = h2.shape[0]
-    if n > MAX_ROWS_PER_HIDDEN * hsize:
+    # the TMA gradient for all rows and for the counted rows gathered into dH's storage
+    # (contiguous [M, H]: rows of 16-byte multiples), so both passes take 1 slot a logit
+    tma = _tma_grad(h2, weight, launchers) and (hsize * h2.element_size()) % 16 == 0
+    slots = 1 if tma else 2
+    if n > (MAX_ROWS_PER_HIDDEN_TMA if tma else MAX_ROWS_PER_HIDDEN) * hsize:
         return None
-    tail_cols = _cols(_tail_room(n))  # float32 logits
+    tail_cols = _cols(_tail_room(n, slots))
     if hsize < 2 or tail_cols < _min_tail_cols():
         return None
     m = n_valid
-    if _compact_pays(n, m, vocab, hsize):
+    if _compact_pays(n, m, vocab, hsize, slots):
         acc_start = _acc_start(vocab, hsize, m)
         return InPlacePlan(h2=h2, acc_start=acc_start, v_acc=acc_start // hsize,
                            tail_cols=tail_cols, compact=True)  # fmt: skip
@@ -143,18 +166,27 @@ def plan(hidden, weight, launchers, need_h: bool, need_w: bool, n_valid: int):
                        tail_cols=tail_cols)  # fmt: skip
 
 
-def _compact_pays(n: int, m: int, vocab: int, hsize: int) -> bool:
+def _tma_grad(h2, weight, launchers) -> bool:
+    """Whether chunk gradients of ``h2``'s rows come from ``launchers.grad_tma`` (one TMA GEMM
+    with the gradient in its epilogue, :func:`~.kernels.grad_tma_kernel`): :data:`TMA_GRAD`,
+    a :func:`~.launch.tma_device` and operands that suit TMA (16-byte aligned rows)."""
+    return (TMA_GRAD and hasattr(launchers, "grad_tma") and tma_device(h2.device)
+            and tma_operands(h2, weight))  # fmt: skip
+
+
+def _compact_pays(n: int, m: int, vocab: int, hsize: int, slots: int = 2) -> bool:
     """Whether the first pass over the ``m < n`` counted rows only costs fewer matmul
     row-columns (by ``COMPACT_MIN_SAVING``) than the pass over all rows, leaves at most
     ``COMPACT_MAX_UNDER`` of the vocabulary under its accumulator, and fits: its logits under
-    the accumulator go to dW's rows below it, at least ``MIN_TAIL_COLS`` columns a chunk.
+    the accumulator go to dW's rows below it, at least ``MIN_TAIL_COLS`` columns a chunk
+    (``slots`` 16-bit elements a logit, :meth:`_Chunks.slots`).
     Row-columns: all rows ``3 V N + 2 N^2`` (three products a column, two more for the ``2N``
     columns under the accumulator); counted rows ``3 V M - 2 M^2 + 4 M N`` (the ``2M`` columns
     under the accumulator get their dW from all ``N`` rows afterwards)."""
     if not COMPACT or m >= n or 2 * m > COMPACT_MAX_UNDER * vocab:
         return False
     acc_start = _acc_start(vocab, hsize, m)
-    if acc_start // (2 * m) < _min_tail_cols() or _tail_room(m) < _min_tail_cols():
+    if acc_start // (slots * m) < _min_tail_cols() or _tail_room(m, slots) < _min_tail_cols():
         return False
     full = 3 * vocab * n + 2 * n * n
     counted = 3 * vocab * m - 2 * m * m + 4 * m * n
@@ -177,10 +209,11 @@ def _acc_view(dw: torch.Tensor, start: int, rows: int) -> torch.Tensor:
     return dw.view(-1)[start : start + 2 * rows * hsize].view(torch.float32).view(rows, hsize)
 
 
-def _chunk_width(rows: int, hsize: int, device) -> int:
-    """Columns of one chunk of ``rows`` rows: H / 2 (float32 logits of N rows fill dH's N * H
-    16-bit elements), or fewer for the L2 cache (:func:`chunk_cols`)."""
-    return min(_cols(max(1, hsize // 2)), chunk_cols(rows, device))
+def _chunk_width(rows: int, hsize: int, device, slots: int = 2) -> int:
+    """Columns of one chunk of ``rows`` rows whose logits take ``slots`` 16-bit elements each
+    (2: float32 logits; 1: the 16-bit gradient alone, :meth:`_Chunks.slots`): H / slots (then
+    N rows fill dH's N * H 16-bit elements), or fewer for the L2 cache (:func:`chunk_cols`)."""
+    return min(_cols(max(1, hsize // slots)), chunk_cols(rows, device, 2 * slots))
 
 
 def _cols(room: int) -> int:
@@ -203,7 +236,7 @@ def _cuda_fp32_out_matmuls() -> bool:
     return True
 
 
-def chunk_cols(n: int, device: torch.device) -> int:
+def chunk_cols(n: int, device: torch.device, logit_bytes: int = 4) -> int:
     """Most vocabulary columns of one chunk of ``n`` rows: its float32 logits about the size of
     the GPU's L2 cache (nearest multiple of 128 columns, at least ``MIN_L2_CHUNK_COLS``), so
     that what the logits matmul writes is still in L2 when the gradient kernel and the dH and
@@ -216,7 +249,7 @@ def chunk_cols(n: int, device: torch.device) -> int:
     l2 = _l2_bytes(device)
     if not l2:
         return 2**62
-    return max(MIN_L2_CHUNK_COLS, round(l2 / (4 * n) / 128) * 128)
+    return max(MIN_L2_CHUNK_COLS, round(l2 / (logit_bytes * n) / 128) * 128)
 
 
 def _l2_bytes(device: torch.device) -> int:
@@ -243,14 +276,18 @@ def _mm_fp32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.mm(a.float(), b.float(), out=out)
 
 
-def _overlay(buf: torch.Tensor, n: int, c: int, room: int):
+def _overlay(buf: torch.Tensor, n: int, c: int, room: int, slots: int = 2):
     """``(z, g)`` on the 16-bit 1-D ``buf`` (16-byte aligned start): float32 ``z [n, c]`` and
     the 16-bit ``g [n, c]`` whose row ``r`` starts at the first byte of ``z``'s row ``r``. Rows
     are ``c`` rounded up to ``COL_ALIGN`` float32 elements apart where that fits in ``room``
-    (``buf`` holds ``n`` rows of ``room`` float32 elements for this chunk), else ``c``."""
+    (``buf`` holds ``n`` rows of ``room`` float32 elements for this chunk), else ``c``. With
+    ``slots`` 1 (no float32 logits: :meth:`_Chunks.slots`) ``z`` is None and ``g``'s rows are
+    that many 16-bit elements apart (``room`` counts 16-bit elements)."""
     stride = -(-c // COL_ALIGN) * COL_ALIGN
     if stride > room:
         stride = c
+    if slots == 1:
+        return None, buf[: n * stride].view(n, stride)[:, :c]
     flat = buf[: 2 * n * stride]
     return flat.view(torch.float32).view(n, stride)[:, :c], flat.view(n, 2 * stride)[:, :c]
 
@@ -280,14 +317,24 @@ class _Chunks:
         return cls(h2, weight, bias, labels, lse_n, scale, spec, launchers)
 
     def grad(self, buf: torch.Tensor, v0: int, v1: int, room: int) -> torch.Tensor:
-        """``G [rows, v1 - v0]`` (input dtype) of the columns ``[v0, v1)``, from float32
-        logits, both in ``buf``'s first ``4 rows room`` bytes (:func:`_overlay`)."""
-        z, g = _overlay(buf, self.h.shape[0], v1 - v0, room)
+        """``G [rows, v1 - v0]`` (input dtype) of the columns ``[v0, v1)``, in ``buf``'s first
+        ``2 slots rows room`` bytes, with the float32 logits it is formed from where
+        :meth:`slots` is 2 (:func:`_overlay`)."""
+        z, g = _overlay(buf, self.h.shape[0], v1 - v0, room, self.slots())
+        if z is None:
+            self.launchers.grad_tma(self.h, self.weight, g, self.bias, self.labels, self.lse,
+                                    self.p_scale, self.scale, v0, self.spec)  # fmt: skip
+            return g
         _mm_fp32_into(z, self.h, self.weight[v0:v1].t())
         self.launchers.logits_grad_cols(z, g, self.bias, self.labels, self.lse, self.p_scale,
                                         self.scale, v0, self.weight.shape[0],
                                         self.spec)  # fmt: skip
         return g
+
+    def slots(self) -> int:
+        """16-bit elements a chunk's logit takes in its buffer: 1 where :meth:`grad` forms the
+        gradient in one TMA GEMM (:data:`TMA_GRAD`: no float32 logits), else 2."""
+        return 1 if _tma_grad(self.h, self.weight, self.launchers) else 2
 
     def dweight(self, g, dw, db, v0: int, v1: int) -> None:
         torch.mm(g.t(), self.h, out=dw[v0:v1])
@@ -319,17 +366,18 @@ def backward(p: InPlacePlan, hidden, weight, bias, valid_rows, y_valid, row_off,
     # dW of the rows under acc, from all rows, top down; each chunk's logits in the free rows
     # below it (acc is spent), then in the scratch buffer
     flat_w = dw.view(-1)
-    width = _chunk_width(n, hsize, dev)
+    slots = every.slots()
+    width = _chunk_width(n, hsize, dev, slots)
     lo, hi = p.v_acc, vocab
     while hi > lo:
         start = -(-lo * hsize // _ALIGN) * _ALIGN
-        c = _cols(max(0, hi * hsize - start) // (2 * n + hsize))
+        c = _cols(max(0, hi * hsize - start) // (slots * n + hsize))
         c = min(c, max(width, p.tail_cols))
         if c >= p.tail_cols:
             buf, room = flat_w[start:], c  # only c columns are free there: no padding
         else:
             c = min(hi - lo, p.tail_cols)
-            buf, room = tail.get(), _tail_room(n)
+            buf, room = tail.get(), _tail_room(n, slots)
         g = every.grad(buf, hi - c, hi, room)
         every.dweight(g, dw, db, hi - c, hi)
         hi -= c
@@ -338,9 +386,10 @@ def backward(p: InPlacePlan, hidden, weight, bias, valid_rows, y_valid, row_off,
     return dh, dw, db
 
 
-def _tail_room(rows: int) -> int:
-    """float32 columns of ``rows`` rows that the scratch buffer holds."""
-    return TAIL_SCRATCH_BYTES // (4 * rows)
+def _tail_room(rows: int, slots: int = 2) -> int:
+    """Columns of ``rows`` rows, ``slots`` 16-bit elements each, that the scratch buffer
+    holds."""
+    return TAIL_SCRATCH_BYTES // (2 * slots * rows)
 
 
 class _Scratch:
@@ -363,11 +412,12 @@ def _first_pass_all(p: InPlacePlan, every: _Chunks, dh, dw, db, valid_rows, y_va
     acc = _acc_view(dw, p.acc_start, n)
     acc.zero_()
     spare = dh.view(-1)  # dH's storage holds one chunk's logits until dH is formed
-    width = _chunk_width(n, hsize, dh.device)
+    slots = every.slots()
+    width = _chunk_width(n, hsize, dh.device, slots)
     below = [(v0, min(v0 + width, p.v_acc)) for v0 in range(0, p.v_acc, width)]
     under = [(v0, min(v0 + width, vocab)) for v0 in range(p.v_acc, vocab, width)]
     for v0, v1 in below + under:
-        g = every.grad(spare, v0, v1, max(1, hsize // 2))
+        g = every.grad(spare, v0, v1, max(1, hsize // slots))
         _addmm_fp32_(acc, g, every.weight[v0:v1])
         if v1 <= p.v_acc:
             every.dweight(g, dw, db, v0, v1)
@@ -390,24 +440,25 @@ def _first_pass_counted(p: InPlacePlan, counted: _Chunks, dh, dw, db, valid_rows
     acc = _acc_view(dw, p.acc_start, m)
     acc.zero_()
     weight = counted.weight
-    width = _chunk_width(m, hsize, dh.device)
-    tail_cols = _cols(_tail_room(m))
+    slots = counted.slots()
+    width = _chunk_width(m, hsize, dh.device, slots)
+    tail_cols = _cols(_tail_room(m, slots))
     # the columns under acc first (their dW comes from all rows later), logits from row 0 on
-    room_under = p.acc_start // (2 * m)
+    room_under = p.acc_start // (slots * m)
     w_under = min(width, _cols(room_under))
     for v0 in range(p.v_acc, vocab, w_under):
         v1 = min(v0 + w_under, vocab)
         g = counted.grad(flat_w, v0, v1, room_under)
         _addmm_fp32_(acc, g, weight[v0:v1])
-    # then the rest, top down, logits below the chunk: 2 M c <= (hi - c) H
+    # then the rest, top down, logits below the chunk: slots M c <= (hi - c) H
     hi = p.v_acc
     while hi > 0:
-        c = min(width, _cols(hi * hsize // (2 * m + hsize)))
+        c = min(width, _cols(hi * hsize // (slots * m + hsize)))
         if c >= tail_cols:
             buf, room = flat_w, c  # only c columns are free there: no padding
         else:
             c = min(hi, tail_cols)
-            buf, room = tail.get(), _tail_room(m)
+            buf, room = tail.get(), _tail_room(m, slots)
         g = counted.grad(buf, hi - c, hi, room)
         _addmm_fp32_(acc, g, weight[hi - c : hi])
         counted.dweight(g, dw, db, hi - c, hi)
