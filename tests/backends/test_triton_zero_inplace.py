@@ -340,6 +340,13 @@ def test_chunk_width_follows_the_l2_cache(monkeypatch):
     assert zi.chunk_cols(8192, cuda) == 1920  # 60 MiB / 32 KiB per column
     assert zi.chunk_cols(32768, cuda) == 512  # 480 -> nearest multiple of 128
     assert zi.chunk_cols(2**22, cuda) == zi.MIN_L2_CHUNK_COLS
+    # 16-bit gradients (the TMA kernel): twice the columns; H / slots caps chunks in dH's
+    # storage, and float32 chunks anywhere, but not 16-bit chunks in dW's free rows
+    assert zi.chunk_cols(32768, cuda, 2) == 1024  # 960 -> nearest multiple of 128
+    assert zi._chunk_width(32768, 640, cuda, slots=1) == 640
+    assert zi._chunk_width(32768, 640, cuda, slots=1, in_dh=False) == 1024
+    assert zi._chunk_width(32768, 640, cuda, slots=2, in_dh=False) == 320
+    assert zi._chunk_width(8192, 4096, cuda, slots=2) == 1920
     monkeypatch.setattr(zi, "MAX_CHUNK_COLS", 96)
     assert zi.chunk_cols(8192, cuda) == 96
     monkeypatch.setattr(zi, "MAX_CHUNK_COLS", None)

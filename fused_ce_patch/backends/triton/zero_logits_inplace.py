@@ -35,7 +35,8 @@ On Hopper (:func:`_tma_grad`: the TMA forward's device conditions and operands w
 aligned rows) ``Z`` and ``G`` are one Triton GEMM over TMA descriptors with the gradient in
 its epilogue (:func:`~.kernels.grad_tma_kernel`): the float32 logits stay in registers, only
 ``G`` (16-bit) is stored, so a chunk's buffer needs one 16-bit element per logit, not two
-(:meth:`_Chunks.slots`): chunks of up to H columns, L2-sized in 16-bit values. The same
+(:meth:`_Chunks.slots`): chunks of up to H columns in dH's storage and as wide as the room
+allows in dW's free rows, L2-sized in 16-bit values. The same
 products and float32 sums; ``Z`` differs from cuBLAS's in float32 summation order only.
 
 The logits are float32 (as in forward, whose LSE the gradient uses: 16-bit logits against a
@@ -209,11 +210,18 @@ def _acc_view(dw: torch.Tensor, start: int, rows: int) -> torch.Tensor:
     return dw.view(-1)[start : start + 2 * rows * hsize].view(torch.float32).view(rows, hsize)
 
 
-def _chunk_width(rows: int, hsize: int, device, slots: int = 2) -> int:
+def _chunk_width(rows: int, hsize: int, device, slots: int = 2, in_dh: bool = True) -> int:
     """Columns of one chunk of ``rows`` rows whose logits take ``slots`` 16-bit elements each
     (2: float32 logits; 1: the 16-bit gradient alone, :meth:`_Chunks.slots`): H / slots (then
-    N rows fill dH's N * H 16-bit elements), or fewer for the L2 cache (:func:`chunk_cols`)."""
-    return min(_cols(max(1, hsize // slots)), chunk_cols(rows, device, 2 * slots))
+    N rows fill dH's N * H 16-bit elements), or fewer for the L2 cache (:func:`chunk_cols`).
+    With the TMA gradient, chunks whose buffer is not dH's storage (``in_dh`` False: dW's free
+    rows, the scratch buffer; their loops cut them to the room there) take the L2 limit alone:
+    on an H200 4-5 % faster at Gemma-2 and Gemma-3, Qwen2.5 within noise (BENCHMARKS.md,
+    2026-12-03)."""
+    l2_cols = chunk_cols(rows, device, 2 * slots)
+    if slots == 1 and not in_dh:
+        return l2_cols
+    return min(_cols(max(1, hsize // slots)), l2_cols)
 
 
 def _cols(room: int) -> int:
@@ -367,7 +375,7 @@ def backward(p: InPlacePlan, hidden, weight, bias, valid_rows, y_valid, row_off,
     # below it (acc is spent), then in the scratch buffer
     flat_w = dw.view(-1)
     slots = every.slots()
-    width = _chunk_width(n, hsize, dev, slots)
+    width = _chunk_width(n, hsize, dev, slots, in_dh=False)
     lo, hi = p.v_acc, vocab
     while hi > lo:
         start = -(-lo * hsize // _ALIGN) * _ALIGN
@@ -441,7 +449,7 @@ def _first_pass_counted(p: InPlacePlan, counted: _Chunks, dh, dw, db, valid_rows
     acc.zero_()
     weight = counted.weight
     slots = counted.slots()
-    width = _chunk_width(m, hsize, dh.device, slots)
+    width = _chunk_width(m, hsize, dh.device, slots, in_dh=False)
     tail_cols = _cols(_tail_room(m, slots))
     # the columns under acc first (their dW comes from all rows later), logits from row 0 on
     room_under = p.acc_start // (slots * m)
