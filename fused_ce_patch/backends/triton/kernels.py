@@ -932,6 +932,23 @@ def dhidden_dweight_backward_kernel(
 
 
 @triton.jit
+def _grad_tile(x, lse, p_scale, scale, softcap, label_smoothing, vocab,
+               HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+    """``scale_r * dL/dz`` of a float32 tile of (bias-added) logits ``x [rows, cols]``, target
+    column included: ``exp(s - LSE_r) * p_scale_r - scale_r * eps / V`` times ``ds/dz`` with
+    a softcap; ``lse``, ``p_scale``, ``scale`` ``[rows]``."""
+    if HAS_SOFTCAP:
+        t, slope = _tanh_and_slope(x * (1.0 / softcap), FAST)
+        x = softcap * t
+    g = _exp(x - lse[:, None], FAST) * p_scale[:, None]
+    if SMOOTHING:
+        g -= (scale * (label_smoothing / vocab))[:, None]
+    if HAS_SOFTCAP:
+        g = g * slope
+    return g
+
+
+@triton.jit
 def logits_grad_cols_kernel(z_ptr, stride_z, g_ptr, stride_g, b_ptr, labels_ptr, lse_ptr,
                             p_scale_ptr, scale_ptr, n_rows, n_cols, v0, vocab, softcap,
                             label_smoothing, HAS_BIAS: tl.constexpr,
@@ -971,14 +988,8 @@ def logits_grad_cols_kernel(z_ptr, stride_z, g_ptr, stride_g, b_ptr, labels_ptr,
         if HAS_BIAS:
             bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + cols, mask=cols < n_cols, other=0.0)
             x += bias.to(tl.float32)[None, :]
-        if HAS_SOFTCAP:
-            t, slope = _tanh_and_slope(x * (1.0 / softcap), FAST_MATH)
-            x = softcap * t
-        g = _exp(x - lse[:, None], FAST_MATH) * p_scale[:, None]
-        if SMOOTHING:
-            g -= (scale * (label_smoothing / vocab))[:, None]
-        if HAS_SOFTCAP:
-            g = g * slope
+        g = _grad_tile(x, lse, p_scale, scale, softcap, label_smoothing, vocab, HAS_SOFTCAP,
+                       SMOOTHING, FAST_MATH)  # fmt: skip
         keep = counted[:, None] & (cols[None, :] != (y - v0)[:, None])
         g = _cast(tl.where(keep, g, 0.0), g_ptr.dtype.element_ty, FIX_RNE)
         tl.debug_barrier()  # every thread's loads of this block done before any store
@@ -1048,6 +1059,23 @@ def _grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tma_logits_tile(h_desc, w_desc, off_m, w_row, k_tiles, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """float32 ``h[off_m : off_m + BLOCK_M] @ W[w_row : w_row + BLOCK_N].T`` from TMA
+    descriptors (rows beyond either tensor read as 0)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kk in range(k_tiles):
+        a = h_desc.load([off_m, kk * BLOCK_K])
+        b = w_desc.load([w_row, kk * BLOCK_K])
+        if UPCAST:  # the interpreter multiplies raw 16-bit patterns (module docstring)
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc,
+                         input_precision="ieee")  # fmt: skip
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
+@triton.jit
 def lse_tma_kernel(h_desc, w_desc, b_ptr, labels_ptr, part_ptr, n_rows, n_cols, v0, hsize,
                    softcap, n_programs, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    SMOOTHING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -1075,15 +1103,8 @@ def lse_tma_kernel(h_desc, w_desc, b_ptr, labels_ptr, part_ptr, n_rows, n_cols, 
         pm, pn = _grouped_tile(tile, num_m, num_n, GROUP_M)
         off_m = pm * BLOCK_M
         off_n = pn * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for kk in range(k_tiles):
-            a = h_desc.load([off_m, kk * BLOCK_K])
-            b = w_desc.load([v0 + off_n, kk * BLOCK_K])
-            if UPCAST:  # the interpreter multiplies raw 16-bit patterns (module docstring)
-                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc,
-                             input_precision="ieee")  # fmt: skip
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
+        acc = _tma_logits_tile(h_desc, w_desc, off_m, v0 + off_n, k_tiles, BLOCK_M, BLOCK_N,
+                               BLOCK_K, UPCAST)  # fmt: skip
         cols = off_n + tl.arange(0, BLOCK_N)
         col_ok = cols < n_cols
         x = acc
@@ -1173,15 +1194,8 @@ def grad_tma_kernel(h_desc, w_desc, g_ptr, stride_g, b_ptr, labels_ptr, lse_ptr,
         pm, pn = _grouped_tile(tile, num_m, num_n, GROUP_M)
         off_m = pm * BLOCK_M
         off_n = pn * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for kk in range(k_tiles):
-            a = h_desc.load([off_m, kk * BLOCK_K])
-            b = w_desc.load([v0 + off_n, kk * BLOCK_K])
-            if UPCAST:  # the interpreter multiplies raw 16-bit patterns (module docstring)
-                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc,
-                             input_precision="ieee")  # fmt: skip
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
+        acc = _tma_logits_tile(h_desc, w_desc, off_m, v0 + off_n, k_tiles, BLOCK_M, BLOCK_N,
+                               BLOCK_K, UPCAST)  # fmt: skip
         cols = off_n + tl.arange(0, BLOCK_N)
         col_ok = cols < n_cols
         rows = off_m + tl.arange(0, BLOCK_M)
@@ -1189,19 +1203,15 @@ def grad_tma_kernel(h_desc, w_desc, g_ptr, stride_g, b_ptr, labels_ptr, lse_ptr,
         y = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
         p_scale = tl.load(p_scale_ptr + rows, mask=row_ok, other=0.0)
+        scale = p_scale  # read only with label smoothing
+        if SMOOTHING:
+            scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
         x = acc
         if HAS_BIAS:
             bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + cols, mask=col_ok, other=0.0)
             x += bias.to(tl.float32)[None, :]
-        if HAS_SOFTCAP:
-            t, slope = _tanh_and_slope(x * (1.0 / softcap), FAST_MATH)
-            x = softcap * t
-        g = _exp(x - lse[:, None], FAST_MATH) * p_scale[:, None]
-        if SMOOTHING:
-            scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
-            g -= (scale * (label_smoothing / vocab))[:, None]
-        if HAS_SOFTCAP:
-            g = g * slope
+        g = _grad_tile(x, lse, p_scale, scale, softcap, label_smoothing, vocab, HAS_SOFTCAP,
+                       SMOOTHING, FAST_MATH)  # fmt: skip
         keep = (y >= 0)[:, None] & (cols[None, :] != (y - v0)[:, None])
         g = _cast(tl.where(keep, g, 0.0), g_ptr.dtype.element_ty, FIX_RNE)
         out = g_ptr + tl.cast(off_m, tl.int64) * stride_g
