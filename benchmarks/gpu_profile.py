@@ -61,8 +61,13 @@ def main():
     p.add_argument("--timeline", default="", help="shapes whose steps are split by events")
     p.add_argument("--ncu", default="", help="shape whose row kernel Nsight Compute profiles")
     p.add_argument("--ncu-child", default="", help=argparse.SUPPRESS)
+    p.add_argument("--logits-budget", type=int, default=None,
+                   help="bytes of logits a step may hold (0: the zero-logits path); "
+                        "default: the backend's")
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args()
+    global LOGITS_BUDGET
+    LOGITS_BUDGET = args.logits_budget
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
@@ -97,12 +102,17 @@ def main():
         json.dump(out, f, indent=1)
 
 
+#: ``--logits-budget``: passed to the loss as ``logits_budget`` (None: the backend's default).
+LOGITS_BUDGET = None
+
+
 def _loss(torch, data, softcap):
     from fused_ce_patch import fused_linear_cross_entropy
 
     h = data["hidden"].requires_grad_()
     w = data["weight"].requires_grad_()
-    loss = fused_linear_cross_entropy(h, w, data["labels"], softcap=softcap, backend="triton")
+    loss = fused_linear_cross_entropy(h, w, data["labels"], softcap=softcap, backend="triton",
+                                      logits_budget=LOGITS_BUDGET)
     loss.backward()
     h.grad = w.grad = None
 

@@ -333,19 +333,28 @@ def test_padded_rows_keep_the_float32_rule(grad_kernel):
 
 
 def test_chunk_width_follows_the_l2_cache(monkeypatch):
-    """Chunks of float32 logits about L2-sized (nearest 128 columns, at least 128), no cap
-    where no L2 size is known; ``MAX_CHUNK_COLS`` overrides."""
+    """Chunks of float32 logits about L2-sized (nearest 128 columns, at least 128; 16-bit
+    gradients at least 2048), no cap where no L2 size is known; ``MAX_CHUNK_COLS``
+    overrides."""
     monkeypatch.setattr(zi, "_l2_bytes", lambda device: 60 * 2**20)
     cuda = torch.device("cuda")
     assert zi.chunk_cols(8192, cuda) == 1920  # 60 MiB / 32 KiB per column
     assert zi.chunk_cols(32768, cuda) == 512  # 480 -> nearest multiple of 128
     assert zi.chunk_cols(2**22, cuda) == zi.MIN_L2_CHUNK_COLS
-    # 16-bit gradients (the TMA kernel): twice the columns; H / slots caps chunks in dH's
-    # storage, and float32 chunks anywhere, but not 16-bit chunks in dW's free rows
+    # 16-bit gradients (the TMA kernel): twice the columns, at least MIN_L2_CHUNK_COLS_16BIT;
+    # H / slots caps chunks in dH's storage, and float32 chunks anywhere, but not 16-bit
+    # chunks in dW's free rows
+    assert zi.chunk_cols(8192, cuda, 2) == 3840  # 60 MiB / 16 KiB per column
+    assert zi.chunk_cols(32768, cuda, 2) == 2048  # 960 -> 1024, below the floor
+    monkeypatch.setattr(zi, "MIN_L2_CHUNK_COLS_16BIT", 128)
     assert zi.chunk_cols(32768, cuda, 2) == 1024  # 960 -> nearest multiple of 128
     assert zi._chunk_width(32768, 640, cuda, slots=1) == 640
     assert zi._chunk_width(32768, 640, cuda, slots=1, in_dh=False) == 1024
     assert zi._chunk_width(32768, 640, cuda, slots=2, in_dh=False) == 320
+    monkeypatch.setattr(zi, "MIN_L2_CHUNK_COLS_16BIT", 2048)
+    assert zi._chunk_width(32768, 640, cuda, slots=1, in_dh=False) == 2048
+    assert zi._chunk_width(32768, 4096, cuda, slots=1) == 2048
+    assert zi._chunk_width(32768, 4096, cuda, slots=2) == 512
     assert zi._chunk_width(8192, 4096, cuda, slots=2) == 1920
     monkeypatch.setattr(zi, "MAX_CHUNK_COLS", 96)
     assert zi.chunk_cols(8192, cuda) == 96

@@ -171,6 +171,7 @@ def test_l2_rule_narrows_both_loops(oracle, log, monkeypatch, compact):
     _force_compact(monkeypatch, compact)
     monkeypatch.setattr(zi, "_l2_bytes", lambda device: 64)
     monkeypatch.setattr(zi, "MIN_L2_CHUNK_COLS", 2)
+    monkeypatch.setattr(zi, "MIN_L2_CHUNK_COLS_16BIT", 2)
     monkeypatch.setattr(zi, "TAIL_SCRATCH_BYTES", 4 * 31 * 3)
     monkeypatch.setattr(zi, "MIN_TAIL_COLS", 1)
     hidden, weight, labels, b = make(CASE, (31,), 14, 97, dtype=torch.bfloat16, bias=True,

@@ -1,11 +1,12 @@
 """The zero-logits path's TMA forward (``backends/triton/zero_logits.py``:
-:func:`tma_forward_rows`; :func:`~fused_ce_patch.backends.triton.kernels.lse_tma_kernel` and
+:func:`tma_forward_rows`; :func:`~fused_ce_patch.backends.triton.kernels.lse_tma_kernel`,
+:func:`~fused_ce_patch.backends.triton.kernels.lse_tma_runs_kernel` and
 :func:`~fused_ce_patch.backends.triton.kernels.lse_merge_kernel` through
 ``CudaLaunchers.lse_tma``) under the Triton interpreter: the running LSE state against float64
 at non-divisible sizes (ragged row and column blocks, several vocabulary slices, a ragged last
-slice), with bias, softcap and label smoothing; the loss and gradients of the whole path
-against float64 and against the Triton forward; a block of -inf logits; and when it steps
-aside.
+slice; runs of several column blocks, a last run past the vocabulary), with bias, softcap and
+label smoothing; the loss and gradients of the whole path against float64 and against the
+Triton forward; a block of -inf logits; the 2 GiB operand limit; and when it steps aside.
 """
 
 from __future__ import annotations
@@ -45,17 +46,20 @@ def _interpreter(monkeypatch):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records the runs of the TMA forward (the rows of each ``h2``) and of its kernel launches
-    (the columns of each vocabulary slice)."""
-    runs, slices = [], []
+    """Records the runs of the TMA forward (the rows of each ``h2``), the launches of its
+    per-block kernel (the columns of each vocabulary slice) and of its per-run kernel
+    (``(n_cols, run_tiles)``)."""
+    runs, slices, run_launches = [], [], []
     original = CUDA_LAUNCHERS.lse_tma.__func__
-    kernel = launch.lse_tma_kernel
 
     class Spy:
+        def __init__(self, kernel, record):
+            self.kernel, self.record = kernel, record
+
         def __getitem__(self, grid):
             def run(*args, **kw):
-                slices.append(args[6])  # n_cols
-                return kernel[grid](*args, **kw)
+                self.record(args)
+                return self.kernel[grid](*args, **kw)
 
             return run
 
@@ -64,8 +68,12 @@ def spy(monkeypatch):
         return original(self, h2, *args, **kw)
 
     monkeypatch.setattr(type(CUDA_LAUNCHERS), "lse_tma", wrapped)
-    monkeypatch.setattr(launch, "lse_tma_kernel", Spy())
-    return runs, slices
+    monkeypatch.setattr(launch, "lse_tma_kernel",
+                        Spy(launch.lse_tma_kernel, lambda a: slices.append(a[6])))  # n_cols
+    monkeypatch.setattr(launch, "lse_tma_runs_kernel",
+                        Spy(launch.lse_tma_runs_kernel,
+                            lambda a: run_launches.append((a[6], a[11]))))  # fmt: skip
+    return runs, slices, run_launches
 
 
 def _capped(z, softcap):
@@ -102,6 +110,71 @@ def test_state_against_float64(monkeypatch, spy, dtype, softcap, bias, part_bloc
     torch.testing.assert_close(state[2].double()[counted], z_t[counted], rtol=1e-6, atol=1e-6)
     assert (state[2][~counted] == 0).all()  # an ignored row never matches a column
     torch.testing.assert_close(state[3].double(), s.sum(-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("softcap,bias,part_blocks", [(None, False, None), (7.0, True, 2),
+                                                      (None, True, 3), (3.0, False, 1),
+                                                      (None, False, 5)])  # fmt: skip
+def test_runs_state_against_float64(monkeypatch, spy, softcap, bias, part_blocks):
+    """The per-run kernel (forced: ``TMA_RUNS_MIN_ROWS_PER_HIDDEN`` 0): one launch over the
+    whole vocabulary, 7 blocks of 32 columns in runs of 1 (7 runs), 4 (2 runs), 3 (3 runs),
+    7 (1 run) or 2 blocks (4 runs, fewer than the 5 blocks of partials room); with runs of 4, 3
+    or 2 blocks the last run reaches past the vocabulary. Against float64 and the per-block
+    kernel."""
+    monkeypatch.setattr(launch, "TMA_RUNS_MIN_ROWS_PER_HIDDEN", 0)
+    n, h, v = 37, 48, 203
+    if part_blocks:
+        monkeypatch.setattr(launch, "TMA_PART_BYTES", 16 * n * part_blocks)
+    hid = torch.randn(n, h).bfloat16()
+    w = (torch.randn(v, h) / h**0.5).bfloat16()
+    b = torch.randn(v).bfloat16() if bias else None
+    y = torch.randint(0, v, (n,))
+    y[::5] = -100
+    spec = LossSpec(ignore_index=-100, softcap=softcap, label_smoothing=0.1, z_loss=0.0)
+    state = zl._initial_state(n, hid.device)
+    CUDA_LAUNCHERS.lse_tma(hid, w, b, y, state, spec)
+    run_tiles = -(-7 // (part_blocks or 7))
+    assert spy[1] == [] and spy[2] == [(v, run_tiles)]
+    z = hid.double() @ w.double().t()
+    if b is not None:
+        z = z + b.double()
+    s = _capped(z, softcap)
+    lse = state[0].double() + state[1].double().log()
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=1e-6, atol=1e-6)
+    counted = y >= 0
+    z_t = s.gather(1, y.clamp(min=0)[:, None]).squeeze(1)
+    torch.testing.assert_close(state[2].double()[counted], z_t[counted], rtol=1e-6, atol=1e-6)
+    assert (state[2][~counted] == 0).all()
+    torch.testing.assert_close(state[3].double(), s.sum(-1), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(launch, "TMA_RUNS_MIN_ROWS_PER_HIDDEN", 10**9)
+    blocks = zl._initial_state(n, hid.device)
+    CUDA_LAUNCHERS.lse_tma(hid, w, b, y, blocks, spec)
+    assert spy[1] and len(spy[2]) == 1
+    lse_blocks = blocks[0].double() + blocks[1].double().log()
+    torch.testing.assert_close(lse, lse_blocks, rtol=1e-6, atol=1e-6)
+
+
+def test_runs_beyond_the_rows_per_hidden_rule(monkeypatch, spy):
+    """Past ``TMA_RUNS_MIN_ROWS_PER_HIDDEN`` rows per hidden unit the forward takes the per-run
+    kernel, up to ``TMA_MAX_ROWS_PER_HIDDEN``; the loss and gradients are float64's."""
+    n, h, v = 96, 16, 131  # N / H = 6
+    monkeypatch.setattr(launch, "TMA_RUNS_MIN_ROWS_PER_HIDDEN", 5)
+    monkeypatch.setattr(zl, "TMA_MAX_ROWS_PER_HIDDEN", 6)
+    monkeypatch.setattr(zi, "MAX_ROWS_PER_HIDDEN_TMA", 6)  # the in-place backward too
+    hid = torch.randn(n, h).bfloat16()
+    w = (torch.randn(v, h) / h**0.5).bfloat16()
+    y = torch.randint(0, v, (n,))
+    y[::9] = -100
+    got = _run(hid, w, None, y, label_smoothing=0.05)
+    assert spy[0] == [n] and spy[1] == [] and len(spy[2]) == 1
+    hd, wd = (t.double().requires_grad_() for t in (hid, w))
+    ref = F.cross_entropy(hd @ wd.t(), y, label_smoothing=0.05)
+    torch.testing.assert_close(got[0].double(), ref, rtol=1e-5, atol=1e-6)
+    for a, e in zip(got[1], torch.autograd.grad(ref, (hd, wd))):
+        assert (a.double() - e).norm() <= 1e-2 * e.norm()
+    monkeypatch.setattr(zl, "TMA_MAX_ROWS_PER_HIDDEN", 5)  # N / H = 6 > 5: steps aside
+    _run(hid, w, None, y)
+    assert spy[0] == [n]
 
 
 def _run(hid, w, b, y, **kw):
@@ -148,20 +221,23 @@ def test_loss_and_grads_equal_the_triton_forward(monkeypatch, spy, opts):
         assert (a.double() - e).norm() <= 1e-2 * e.norm()
 
 
+@pytest.mark.parametrize("runs", [False, True], ids=["blocks", "runs"])
 @pytest.mark.parametrize("masked", [32, 64, 70])
-def test_blocks_of_minus_inf_logits(monkeypatch, spy, masked):
-    """A -inf bias over the first column block(s), or a whole slice (tokens masked out): each
-    block's max is kept finite, so no inf - inf, and the loss and gradients equal the Triton
-    forward's."""
+def test_blocks_of_minus_inf_logits(monkeypatch, spy, masked, runs):
+    """A -inf bias over the first column block(s), or a whole slice or run (tokens masked
+    out): each block's (each run's) max is kept finite, so no inf - inf, and the loss and
+    gradients equal the Triton forward's."""
     n, h, v = 12, 16, 100
-    monkeypatch.setattr(launch, "TMA_PART_BYTES", 16 * n * 2)  # slices of 64 columns
+    monkeypatch.setattr(launch, "TMA_PART_BYTES", 16 * n * 2)  # slices / runs of 64 columns
+    if runs:
+        monkeypatch.setattr(launch, "TMA_RUNS_MIN_ROWS_PER_HIDDEN", 0)
     hid = torch.randn(n, h).bfloat16()
     w = (torch.randn(v, h) / h**0.5).bfloat16()
     b = torch.zeros(v).bfloat16()
     b[:masked] = float("-inf")
     y = torch.randint(masked, v, (n,))
     got = _run(hid, w, b, y)
-    assert spy[0]
+    assert spy[0] and bool(spy[2]) == runs
     monkeypatch.setattr(zl, "TMA_FORWARD", False)
     monkeypatch.setattr(zl, "MATMUL_FORWARD", False)
     want = _run(hid, w, b, y)
@@ -208,7 +284,7 @@ def test_steps_aside(monkeypatch, spy, case):
     if case == "gpu without TMA":
         monkeypatch.setattr(zl, "tma_device", lambda device: False)
     if case == "many rows per hidden unit":
-        monkeypatch.setattr(zi, "MAX_ROWS_PER_HIDDEN", 1)  # N / H = 40 / 32 > 1
+        monkeypatch.setattr(zl, "TMA_MAX_ROWS_PER_HIDDEN", 1)  # N / H = 40 / 32 > 1
     if case == "expanded rows":  # stride 0: TMA wants rows that do not overlap
         hid = torch.randn(1, h).bfloat16().expand(n, h).requires_grad_()
     fused_linear_cross_entropy(hid, w, y, backend="triton", logits_budget=0).backward()
@@ -217,6 +293,33 @@ def test_steps_aside(monkeypatch, spy, case):
         y[: int(0.4 * n)] = 5
         fused_linear_cross_entropy(hid, w, y, backend="triton", logits_budget=0)
         assert spy[0] == [n]
+
+
+class _Operand:
+    """Stands in for a tensor of ``shape`` and ``stride`` (bfloat16, 16-byte aligned start)
+    too large to allocate: :func:`launch.tma_operands` reads only these."""
+
+    def __init__(self, shape, stride):
+        self.shape, self._stride = shape, stride
+
+    def stride(self, dim):
+        return self._stride[dim]
+
+    def element_size(self):
+        return 2
+
+    def data_ptr(self):
+        return 1 << 20
+
+
+@pytest.mark.parametrize("rows,cols,want", [
+    (152064, 8192, False),  # a 2.3 GiB lm_head: Triton 3.9's 32-bit extent sum would wrap
+    (131072, 8192, False),  # exactly 2**31 bytes: one more than the limit
+    (131072, 8184, True),   # rows 8192 apart, the last one short: 2**31 - 16 bytes
+    (128256, 8192, True),   # Llama-3-70B's lm_head, 1.96 GiB
+])  # fmt: skip
+def test_tma_operands_stay_below_two_gib(rows, cols, want):
+    assert launch.tma_operands(_Operand((rows, cols), (8192, 1))) is want
 
 
 @pytest.mark.parametrize("case", ["no hidden grad", "no grad mode"])
@@ -276,11 +379,14 @@ def test_tma_device_needs_a_triton_with_tma_loops(monkeypatch):
         launch.tma_device.cache_clear()
 
 
-def test_row_groups_keep_the_partials_within_their_bytes(monkeypatch, spy):
+@pytest.mark.parametrize("runs", [False, True], ids=["blocks", "runs"])
+def test_row_groups_keep_the_partials_within_their_bytes(monkeypatch, spy, runs):
     """More rows than one 16-byte block of partials each allows: the rows run in groups, the
-    partial buffer stays within ``TMA_PART_BYTES``, and the loss is float64's."""
+    partial buffer stays within ``TMA_PART_BYTES``, and the loss is float64's. The kernel is
+    the one the whole ``N / H`` chooses (runs: 50 / 16 > 3; each group's 20 / 16 is not)."""
     n, h, v = 50, 16, 97
     monkeypatch.setattr(launch, "TMA_PART_BYTES", 16 * 20)  # 20 rows a group: 20, 20, 10
+    monkeypatch.setattr(launch, "TMA_RUNS_MIN_ROWS_PER_HIDDEN", 3 if runs else 10**9)
     sizes = []
     empty = torch.empty
 
@@ -297,6 +403,7 @@ def test_row_groups_keep_the_partials_within_their_bytes(monkeypatch, spy):
     y[::7] = -100
     got = _run(hid, w, None, y)
     assert spy[0][0] == n and len(spy[0]) == 4  # the whole, then three groups
+    assert (len(spy[2]), bool(spy[1])) == ((3, False) if runs else (0, True))
     assert sizes and max(sizes) <= 16 * 20
     counted = y >= 0
     ref = F.cross_entropy(hid.double() @ w.double().t(), y)

@@ -285,13 +285,19 @@ def test_zero_logits_bitwise_repeatable(monkeypatch, n, h, v, opts):
         (2048, 2304, 256000, torch.bfloat16, {"softcap": 30.0, "bias": True}),
         (8192, 640, 262144, torch.bfloat16, {"label_smoothing": 0.1}),
         (1500, 1024, 50257, torch.float16, {"z_loss": 1e-4, "bias": True}),
+        (2048, 2304, 256000, torch.bfloat16, {"softcap": 30.0, "bias": True, "runs": True}),
+        (1500, 1024, 50257, torch.float16, {"label_smoothing": 0.1, "runs": True}),
+        (16384, 640, 262144, torch.bfloat16, {}),
     ],
-    ids=["llama3", "gemma2-softcap-bias", "gemma3-smoothing", "fp16-odd-vocab"],
+    ids=["llama3", "gemma2-softcap-bias", "gemma3-smoothing", "fp16-odd-vocab",
+         "gemma2-softcap-bias-runs", "fp16-odd-vocab-runs", "gemma3-n-per-h-26"],
 )
 def test_zero_logits_forwards_agree(monkeypatch, n, h, v, dtype, opts):
     """The TMA forward (the default on this GPU where it applies; spied), the cuBLAS matmul
     forward and the Triton forward give one loss to float32 summation order, the gradients
-    follow, and the loss is float32's (materialised logits)."""
+    follow, and the loss is float32's (materialised logits). ``runs``: the TMA forward's
+    per-run kernel forced; at N/H = 26 it is the rule's choice (and the matmul forward steps
+    aside to the Triton forward)."""
     from fused_ce_patch.backends.triton import launch, zero_logits
 
     if not launch.tma_device(torch.device("cuda")):
@@ -300,7 +306,18 @@ def test_zero_logits_forwards_agree(monkeypatch, n, h, v, dtype, opts):
     original = launch.CudaLaunchers.lse_tma
     monkeypatch.setattr(launch.CudaLaunchers, "lse_tma",
                         lambda *a, **k: calls.append(1) or original(*a, **k))  # fmt: skip
+    launched = []
+    kernel = launch.lse_tma_runs_kernel
+
+    class RunsSpy:
+        def __getitem__(self, grid):
+            return lambda *a, **k: launched.append(1) or kernel[grid](*a, **k)
+
+    monkeypatch.setattr(launch, "lse_tma_runs_kernel", RunsSpy())
     opts = dict(opts)
+    if opts.pop("runs", False):
+        monkeypatch.setattr(launch, "TMA_RUNS_MIN_ROWS_PER_HIDDEN", 0)
+    want_runs = n > launch.TMA_RUNS_MIN_ROWS_PER_HIDDEN * h
     hidden, weight, labels, b = inputs(n, h, v, dtype, bias=opts.pop("bias", False))
     leaves = [t for t in (hidden, weight, b) if t is not None]
     runs = {}
@@ -310,7 +327,7 @@ def test_zero_logits_forwards_agree(monkeypatch, n, h, v, dtype, opts):
         loss = fused_linear_cross_entropy(hidden, weight, labels, bias=b, backend="triton",
                                           logits_budget=0, **opts)  # fmt: skip
         runs[name] = (loss, *torch.autograd.grad(loss, leaves))
-    assert len(calls) == 1
+    assert len(calls) == 1 and len(launched) == int(want_runs)
     for other in ("matmul", "triton"):
         assert rel(runs["tma"][0], runs[other][0]) <= 2e-6, other
         for a, c in zip(runs["tma"][1:], runs[other][1:]):
@@ -331,7 +348,8 @@ def test_zero_logits_gradient_kernels_agree(monkeypatch, n, h, v, dtype, opts):
     """The in-place backward's chunk gradients from the TMA GEMM with the gradient in its
     epilogue (the default on this GPU; spied) and from float32 cuBLAS logits with
     ``logits_grad_cols`` give the same gradients to float32 summation order; at N/H = 32 (above
-    ``MAX_ROWS_PER_HIDDEN``) the float32-logit run is the tiled kernels'."""
+    ``MAX_ROWS_PER_HIDDEN``) the float32-logit run is the tiled kernels', and both runs are
+    held to float32's gradients."""
     from fused_ce_patch.backends.triton import launch, zero_logits_inplace
 
     if not launch.tma_device(torch.device("cuda")):
@@ -352,5 +370,17 @@ def test_zero_logits_gradient_kernels_agree(monkeypatch, n, h, v, dtype, opts):
         runs[tma] = (loss, *torch.autograd.grad(loss, leaves))
         assert (len(calls) > 0) == tma
     assert torch.equal(runs[True][0], runs[False][0])  # the same forward
-    for a, c in zip(runs[True][1:], runs[False][1:]):
-        assert rel(a, c) <= 1e-3
+    if n <= zero_logits_inplace.MAX_ROWS_PER_HIDDEN * h:  # the same products both times
+        for a, c in zip(runs[True][1:], runs[False][1:]):
+            assert rel(a, c) <= 1e-3
+        return
+    # against the tiled kernels, which round dW once from float32 where the in-place backward
+    # rounds its target rows once more (their float32 column added after the product): the
+    # two are ~7.5e-4 apart in dW (interpreter, N/H = 32), so each is held to float32 instead
+    upcast = [t.detach().float().requires_grad_() for t in leaves]
+    ref = reference(upcast[0], upcast[1], labels, bias=upcast[2] if b is not None else None,
+                    **opts)  # fmt: skip
+    want = torch.autograd.grad(ref, upcast)
+    for run in runs.values():
+        for got, w in zip(run[1:], want):
+            assert rel(got, w) <= 3e-3

@@ -1132,6 +1132,66 @@ def lse_tma_kernel(h_desc, w_desc, b_ptr, labels_ptr, part_ptr, n_rows, n_cols, 
 
 
 @triton.jit
+def lse_tma_runs_kernel(h_desc, w_desc, b_ptr, labels_ptr, part_ptr, n_rows, n_cols, v0, hsize,
+                        softcap, n_programs, run_tiles, HAS_BIAS: tl.constexpr,
+                        HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        WARP_SPECIALIZE: tl.constexpr, FAST_MATH: tl.constexpr,
+                        UPCAST: tl.constexpr):  # fmt: skip
+    """:func:`lse_tma_kernel`'s statistics per *run* of ``run_tiles`` consecutive column blocks
+    instead of per block: run ``r`` is row block ``r % num_m`` over the column blocks
+    ``[(r // num_m) * run_tiles, ... + run_tiles)``, its statistics kept in registers across
+    the run (online max and sum, Milakov & Gimelshein 2018) and stored once, as
+    ``part[k, r // num_m, rows]`` (float32 ``[4, cdiv(cdiv(n_cols, BLOCK_N), run_tiles),
+    n_rows]``). Program ``p`` of the persistent grid takes runs ``p, p + n_programs, ...``: row
+    blocks side by side, so that the programs running at once sweep the same weight tiles (the
+    loop over a run's blocks is the pipelined, warp-specialised one). Column blocks beyond
+    ``n_cols`` (in the last run) count as ``-inf`` logits; TMA reads rows beyond ``W`` as 0."""
+    num_m = tl.cdiv(n_rows, BLOCK_M)
+    n_segs = tl.cdiv(tl.cdiv(n_cols, BLOCK_N), run_tiles)
+    k_tiles = tl.cdiv(hsize, BLOCK_K)
+    plane = tl.cast(n_segs, tl.int64) * n_rows
+    for run in range(tl.program_id(0), num_m * n_segs, n_programs):
+        pm = run % num_m
+        seg = run // num_m
+        off_m = pm * BLOCK_M
+        rows = off_m + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        y = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+        m = tl.full((BLOCK_M,), _NEG_BIG, tl.float32)
+        s = tl.zeros((BLOCK_M,), tl.float32)
+        z_t = tl.zeros((BLOCK_M,), tl.float32)
+        z_s = tl.zeros((BLOCK_M,), tl.float32)
+        for j in tl.range(0, run_tiles, flatten=True, warp_specialize=WARP_SPECIALIZE):
+            off_n = (seg * run_tiles + j) * BLOCK_N
+            acc = _tma_logits_tile(h_desc, w_desc, off_m, v0 + off_n, k_tiles, BLOCK_M,
+                                   BLOCK_N, BLOCK_K, UPCAST)  # fmt: skip
+            cols = off_n + tl.arange(0, BLOCK_N)
+            col_ok = cols < n_cols
+            x = acc
+            if HAS_BIAS:
+                bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + cols, mask=col_ok, other=0.0)
+                x += bias.to(tl.float32)[None, :]
+            if HAS_SOFTCAP:
+                x = _softcap(x, softcap, 1.0 / softcap, FAST_MATH)
+            x = tl.where(col_ok[None, :], x, float("-inf"))
+            m_new = tl.maximum(m, tl.max(x, axis=1))
+            s = s * _exp(m - m_new, FAST_MATH) + tl.sum(_exp(x - m_new[:, None], FAST_MATH),
+                                                        axis=1)  # fmt: skip
+            m = m_new
+            hit = ((cols + v0)[None, :] == y[:, None]) & col_ok[None, :]
+            z_t += tl.sum(tl.where(hit, x, 0.0), axis=1)
+            if SMOOTHING:
+                z_s += tl.sum(tl.where(col_ok[None, :], x, 0.0), axis=1)
+        out = part_ptr + tl.cast(seg, tl.int64) * n_rows + rows
+        tl.store(out, m, mask=row_ok)
+        tl.store(out + plane, s, mask=row_ok)
+        tl.store(out + 2 * plane, z_t, mask=row_ok)
+        if SMOOTHING:
+            tl.store(out + 3 * plane, z_s, mask=row_ok)
+
+
+@triton.jit
 def lse_merge_kernel(part_ptr, state_ptr, n_rows, n_blocks, SMOOTHING: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
     """Merge the ``n_blocks`` column blocks of :func:`lse_tma_kernel`'s ``part`` (float32

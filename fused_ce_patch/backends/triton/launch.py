@@ -31,6 +31,7 @@ from .kernels import (
     lse_forward_kernel,
     lse_merge_kernel,
     lse_tma_kernel,
+    lse_tma_runs_kernel,
     scale_unless_one_kernel,
     target_dweight_kernel,
 )
@@ -528,14 +529,18 @@ class CudaLaunchers:
             FAST_MATH=ZERO_FAST_MATH and nvidia_ptx(z.device), num_warps=warps,
         )  # fmt: skip
 
-    def lse_tma(self, h2, weight, bias, labels, state, spec):
+    def lse_tma(self, h2, weight, bias, labels, state, spec, runs=None):
         """Merge every row of ``h2 [N, H]`` over the whole vocabulary into the running LSE
         state ``state`` (float32 ``[4, N]``, as :meth:`lse_cols` keeps it): per vocabulary
         slice, :func:`~.kernels.lse_tma_kernel` (the logits GEMM with the statistics in its
         epilogue; 16-bit ``h2`` and ``weight`` with 16-byte aligned rows, on a
         :func:`tma_device`) into per-block partials of at most :data:`TMA_PART_BYTES`, then
-        :func:`~.kernels.lse_merge_kernel`. ``labels`` int64 ``[N]`` (< 0: no target).
-        Beyond ``TMA_PART_BYTES / 16`` rows, groups of rows run one after another."""
+        :func:`~.kernels.lse_merge_kernel`; beyond :data:`TMA_RUNS_MIN_ROWS_PER_HIDDEN` rows
+        per hidden unit, the whole vocabulary in one launch of
+        :func:`~.kernels.lse_tma_runs_kernel` (a partial per run of column blocks, as many runs
+        as those bytes hold). ``labels`` int64 ``[N]`` (< 0: no target). Beyond
+        ``TMA_PART_BYTES / 16`` rows, groups of rows run one after another (``runs``: the
+        kernel the whole of ``h2`` chose, passed to its groups)."""
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         n, hsize = h2.shape
@@ -543,13 +548,15 @@ class CudaLaunchers:
         dev = h2.device
         if n == 0 or vocab == 0:
             return
+        if runs is None:
+            runs = n > TMA_RUNS_MIN_ROWS_PER_HIDDEN * hsize
         if n * TMA_PART_ROW_BLOCK_BYTES > TMA_PART_BYTES:
             # more rows than one block of partials allows: groups of rows, each its own pass
             step = TMA_PART_BYTES // TMA_PART_ROW_BLOCK_BYTES
             for r0 in range(0, n, step):
                 rows = slice(r0, r0 + step)
                 part_state = state[:, rows].contiguous()  # the kernels read [4, rows] planes
-                self.lse_tma(h2[rows], weight, bias, labels[rows], part_state, spec)
+                self.lse_tma(h2[rows], weight, bias, labels[rows], part_state, spec, runs)
                 state[:, rows] = part_state
             return
         cuda = dev.type == "cuda"
@@ -560,6 +567,26 @@ class CudaLaunchers:
         h_desc = TensorDescriptor.from_tensor(h2, [bm, bk])
         w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
         smoothing = spec.label_smoothing != 0.0
+        if runs:
+            # the whole vocabulary in one launch: runs of column blocks, one partial per run
+            run_tiles = triton_cdiv(triton_cdiv(vocab, bn), blocks)
+            n_runs = triton_cdiv(triton_cdiv(vocab, bn), run_tiles)
+            programs = min(triton_cdiv(n, bm) * n_runs, num_sms(dev) if cuda else 3)
+            lse_tma_runs_kernel[(programs,)](
+                h_desc, w_desc, bias if bias is not None else h2, labels, part, n, vocab, 0,
+                hsize, float(spec.softcap or 1.0), programs, run_tiles,
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=spec.softcap is not None,
+                SMOOTHING=smoothing, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                WARP_SPECIALIZE=TMA_WARP_SPECIALIZE and cuda,
+                FAST_MATH=ZERO_FAST_MATH and nvidia_ptx(dev), UPCAST=not cuda,
+                num_stages=stages, num_warps=warps,
+            )  # fmt: skip
+            block_r, block_t = (128, 8) if cuda else (16, 4)
+            lse_merge_kernel[(triton_cdiv(n, block_r),)](
+                part, state, n, n_runs, SMOOTHING=smoothing, BLOCK_R=block_r, BLOCK_T=block_t,
+                num_warps=4,
+            )  # fmt: skip
+            return
         for v0 in range(0, vocab, blocks * bn):
             cols = min(blocks * bn, vocab - v0)
             n_blocks = triton_cdiv(cols, bn)
@@ -632,6 +659,14 @@ LSE_COLS_LAUNCH = (4, 512, 4)
 #: shared memory: :data:`TMA_MIN_SHARED_MEM`.
 TMA_FORWARD_TILES = (128, 256, 64, 4, 8)
 TMA_WARP_SPECIALIZE = True
+#: Beyond this many rows per hidden unit (``N / H``), :meth:`CudaLaunchers.lse_tma` runs
+#: :func:`~.kernels.lse_tma_runs_kernel` (the whole vocabulary in one launch, a partial per
+#: run of column blocks) instead of :func:`~.kernels.lse_tma_kernel` (a partial per column
+#: block, so many rows leave few blocks a slice: 128 slices at 32K rows). On an H200, forward
+#: alone: Gemma-3-270M at 32K rows (N/H = 51) 22.5 ms against 26.4 (and the Triton forward's
+#: 25.1); at N/H <= 8 within 3 % either way except Gemma-2 (N/H = 3.6, softcap), 14 % slower
+#: (BENCHMARKS.md, 2026-12-03).
+TMA_RUNS_MIN_ROWS_PER_HIDDEN = 16
 #: :func:`~.kernels.grad_tma_kernel` on a GPU, as :data:`TMA_FORWARD_TILES`: at Gemma-2's
 #: shape on an H200 65.5 ms fwd+bwd against 82.4 with 128 x 256 tiles (its larger epilogue),
 #: the others of five settings within 1 ms (BENCHMARKS.md, 2026-12-03).
@@ -641,9 +676,10 @@ TMA_MIN_SHARED_MEM = 200 * 1024
 TMA_MIN_TRITON = (3, 6)
 #: Partial bytes per row and :func:`~.kernels.lse_tma_kernel` column block (4 float32).
 TMA_PART_ROW_BLOCK_BYTES = 16
-#: Most bytes of :func:`~.kernels.lse_tma_kernel`'s per-block partials in the zero-logits
-#: forward: the vocabulary runs in slices of as many column blocks, each merged into the rows'
-#: state after its launch (beyond 262144 rows, in groups of rows).
+#: Most bytes of the zero-logits TMA forward's partials: :func:`~.kernels.lse_tma_kernel`'s run
+#: the vocabulary in slices of as many column blocks, each merged into the rows' state after its
+#: launch; :func:`~.kernels.lse_tma_runs_kernel`'s cut it into as many runs (beyond 262144
+#: rows, either in groups of rows).
 TMA_PART_BYTES = 4 * 2**20
 
 
@@ -686,13 +722,26 @@ def tma_device(device: torch.device) -> bool:
 
 def tma_operands(*tensors) -> bool:
     """Whether each tensor can be a TMA descriptor's ``[rows, cols]`` matrix: unit column
-    stride, 16-byte aligned start and rows, rows that do not overlap (no stride-0 view)."""
+    stride, 16-byte aligned start and rows, rows that do not overlap (no stride-0 view), and
+    at most :data:`TMA_MAX_EXTENT_BYTES` bytes from its first element to the end of its last."""
     for t in tensors:
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return False
         if t.stride(0) < t.shape[1]:
             return False
+        rows, cols = t.shape
+        if ((rows - 1) * t.stride(0) + cols) * t.element_size() > TMA_MAX_EXTENT_BYTES:
+            return False
     return True
+
+
+#: Most bytes a TMA operand may span. Triton 3.9.0's ``fill_tma_descriptor`` (not 3.6.0's)
+#: sums a descriptor's byte extent in a 32-bit ``int`` for its workaround of a Blackwell
+#: driver bug (CUDA drivers <= 13.1 clear bit 85 of descriptors of allocations under 128 KiB;
+#: triton-lang/triton#9235): from 2 GiB on the sum wraps and can clear that bit of a Hopper
+#: descriptor, whose layout that workaround does not describe. Such operands (e.g. a
+#: 152064 x 8192 bfloat16 lm_head) take the paths without TMA.
+TMA_MAX_EXTENT_BYTES = 2**31 - 1
 
 
 #: The default launchers of both drivers.

@@ -9,15 +9,17 @@ Triton GEMM whose epilogue keeps the logits tile in registers and writes only ea
 max / sum of exponentials / target logit / sum of logits per block of columns
 (:func:`~.kernels.lse_tma_kernel`), merged slice by slice into a running state
 (:func:`~.kernels.lse_merge_kernel`); on an H200 it runs at cuBLAS's speed for the logits
-matmul alone (BENCHMARKS.md, 2026-12-02 night). Elsewhere, where hidden needs a gradient
-(:func:`matmul_forward_rows`): cuBLAS matmuls over chunks of vocabulary columns, each chunk's
-float32 logits (all rows, at most ``H / 2`` columns: no more memory than the dH that backward
-allocates) merged by :func:`~.kernels.lse_cols_kernel` into the same running state
-(:func:`lse_state_by_matmul`). Elsewhere (:func:`~.kernels.lse_forward_kernel`): each
-program multiplies a block of counted rows with the weight rows of one split of the
-vocabulary, tile by tile in registers, and keeps the same running values; the splits fill the
-GPU. Either way a few small torch ops turn them into one
-float32 LSE and one loss per counted row.
+matmul alone (BENCHMARKS.md, 2026-12-02 night). With many rows per hidden unit the same
+statistics come per run of column blocks, the whole vocabulary in one launch
+(:func:`~.kernels.lse_tma_runs_kernel`, ``launch.TMA_RUNS_MIN_ROWS_PER_HIDDEN``).
+Elsewhere, where hidden needs a gradient (:func:`matmul_forward_rows`): cuBLAS matmuls over
+chunks of vocabulary columns, each chunk's float32 logits (all rows, at most ``H / 2``
+columns: no more memory than the dH that backward allocates) merged by
+:func:`~.kernels.lse_cols_kernel` into the same running state (:func:`lse_state_by_matmul`).
+Elsewhere (:func:`~.kernels.lse_forward_kernel`): each program multiplies a block of counted
+rows with the weight rows of one split of the vocabulary, tile by tile in registers, and keeps
+the same running values; the splits fill the GPU. Either way a few small torch ops turn them
+into one float32 LSE and one loss per counted row.
 
 Backward, where it applies (16-bit inputs, dH and dW both wanted, ``V >= 2N``, not too many
 rows per hidden unit; :func:`.zero_logits_inplace.plan`): :mod:`.zero_logits_inplace`, one
@@ -161,7 +163,7 @@ def matmul_forward_rows(hidden, weight, launchers, need_h: bool, n_valid: int):
         return None
     if hidden.device.type == "cuda" and not zero_logits_inplace._cuda_fp32_out_matmuls():
         return None
-    h2 = _all_rows(hidden, weight, n_valid)
+    h2 = _all_rows(hidden, weight, n_valid, zero_logits_inplace.MAX_ROWS_PER_HIDDEN)
     if h2 is None or h2.stride(1) != 1 or weight.stride(1) != 1:
         return None
     if weight.shape[1] < 2 * zero_logits_inplace.COL_ALIGN:
@@ -169,10 +171,10 @@ def matmul_forward_rows(hidden, weight, launchers, need_h: bool, n_valid: int):
     return h2
 
 
-def _all_rows(hidden, weight, n_valid: int):
+def _all_rows(hidden, weight, n_valid: int, max_rows_per_hidden: int):
     """What both all-row forwards ask: ``hidden`` as an ``[N, H]`` view of 16-bit operands of
     one dtype, at least :data:`MATMUL_FORWARD_MIN_COUNTED` of its rows counted (every row is
-    multiplied) and at most ``MAX_ROWS_PER_HIDDEN`` rows per hidden unit; else None."""
+    multiplied) and at most ``max_rows_per_hidden`` rows per hidden unit; else None."""
     if hidden.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != hidden.dtype:
         return None
     hsize = weight.shape[1]
@@ -183,7 +185,7 @@ def _all_rows(hidden, weight, n_valid: int):
     n = h2.shape[0]
     if n_valid < MATMUL_FORWARD_MIN_COUNTED * n:
         return None
-    if n > zero_logits_inplace.MAX_ROWS_PER_HIDDEN * hsize:
+    if n > max_rows_per_hidden * hsize:
         return None
     return h2
 
@@ -191,6 +193,9 @@ def _all_rows(hidden, weight, n_valid: int):
 #: Whether the forward may run as :func:`~.kernels.lse_tma_kernel` (tests and probes switch it
 #: off to reach the other forwards).
 TMA_FORWARD = True
+#: Most rows per hidden unit (``N / H``) for which the TMA forward runs: the in-place
+#: backward's limit with the TMA gradient, under which it was measured (N/H = 51).
+TMA_MAX_ROWS_PER_HIDDEN = zero_logits_inplace.MAX_ROWS_PER_HIDDEN_TMA
 
 
 def tma_forward_rows(hidden, weight, launchers, n_valid: int):
@@ -198,14 +203,15 @@ def tma_forward_rows(hidden, weight, launchers, n_valid: int):
     its epilogue (``launchers.lse_tma``), else None: a :func:`~.launch.tma_device`, 16-bit
     operands of one dtype whose rows are 16-byte aligned (TMA's rule), at least
     :data:`MATMUL_FORWARD_MIN_COUNTED` of the rows counted (every row is multiplied), and at
-    most ``MAX_ROWS_PER_HIDDEN`` rows per hidden unit: at Gemma-3-270M's 32K rows and H = 640
-    (N/H = 51) it took 26 ms against the Triton forward's 24 on an H200 (short tiles, 128
-    vocabulary slices), while at N/H <= 8 it was 4-22 % faster than the matmul forward
-    (BENCHMARKS.md, 2026-12-02 night). It keeps no logits, so unlike
+    most :data:`TMA_MAX_ROWS_PER_HIDDEN` rows per hidden unit. At N/H <= 8 it was 4-22 %
+    faster than the matmul forward (BENCHMARKS.md, 2026-12-02 night); at Gemma-3-270M's 32K
+    rows and H = 640 (N/H = 51), with runs of column blocks
+    (``launch.TMA_RUNS_MIN_ROWS_PER_HIDDEN``), 22.5 ms against the Triton forward's 25.1 on an
+    H200 (per-block partials: 26.4; BENCHMARKS.md, 2026-12-03). It keeps no logits, so unlike
     :func:`matmul_forward_rows` it needs no gradient of hidden."""
     if not (TMA_FORWARD and n_valid > 0 and hasattr(launchers, "lse_tma")):
         return None
-    h2 = _all_rows(hidden, weight, n_valid)
+    h2 = _all_rows(hidden, weight, n_valid, TMA_MAX_ROWS_PER_HIDDEN)
     if h2 is None or not tma_device(hidden.device):
         return None
     return h2 if tma_operands(h2, weight) else None

@@ -90,6 +90,11 @@ MIN_TAIL_COLS = 16
 MAX_CHUNK_COLS: int | None = None
 #: Fewest columns a chunk is cut to for the L2 cache: narrower matmuls lose more than L2 gains.
 MIN_L2_CHUNK_COLS = 128
+#: The same for chunks of the 16-bit gradient alone (the TMA gradient, :meth:`_Chunks.slots`),
+#: which are written once and read twice: at 32K rows on an H200 2048 columns took 276 ms
+#: against 291 at the L2 size's 1024 (Llama-3-8B) and 112 against 114 (Gemma-3-270M); at 8K rows
+#: the L2 size is already wider (BENCHMARKS.md, 2026-12-03).
+MIN_L2_CHUNK_COLS_16BIT = 2048
 #: Chunk widths are cut to a multiple of this many columns where room allows, and the rows of a
 #: chunk's float32 logits padded to one: rows of a multiple of 16 bytes let cuBLAS take its
 #: Hopper kernels. Unaligned chunks (e.g. 5735 x 1629) ran on sm80-era fallbacks, 11 ms of a
@@ -250,14 +255,16 @@ def chunk_cols(n: int, device: torch.device, logit_bytes: int = 4) -> int:
     that what the logits matmul writes is still in L2 when the gradient kernel and the dH and
     dW matmuls read it. On an H200 (60 MiB L2) at 32K rows 512 columns took 342 ms against
     407 at H/2 = 2048 (Llama-3), 256: 444; at 8K rows the H/2 chunks already fit
-    (BENCHMARKS.md, 2026-12-02). ``MAX_CHUNK_COLS`` overrides; no L2 size known (CPU, other
-    devices): no cap."""
+    (BENCHMARKS.md, 2026-12-02). Chunks of 16-bit gradients (``logit_bytes`` 2) are at least
+    ``MIN_L2_CHUNK_COLS_16BIT`` wide. ``MAX_CHUNK_COLS`` overrides; no L2 size known (CPU,
+    other devices): no cap."""
     if MAX_CHUNK_COLS:
         return MAX_CHUNK_COLS
     l2 = _l2_bytes(device)
     if not l2:
         return 2**62
-    return max(MIN_L2_CHUNK_COLS, round(l2 / (logit_bytes * n) / 128) * 128)
+    least = MIN_L2_CHUNK_COLS_16BIT if logit_bytes == 2 else MIN_L2_CHUNK_COLS
+    return max(least, round(l2 / (logit_bytes * n) / 128) * 128)
 
 
 def _l2_bytes(device: torch.device) -> int:
