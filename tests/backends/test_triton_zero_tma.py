@@ -99,6 +99,12 @@ def test_state_against_float64(monkeypatch, spy, dtype, softcap, bias, part_bloc
     CUDA_LAUNCHERS.lse_tma(hid, w, b, y, state, spec)
     want_slices = -(-v // (32 * (part_blocks or 7)))
     assert len(spy[1]) == want_slices and sum(spy[1]) == v
+    _check_state(state, hid, w, b, y, softcap)
+
+
+def _check_state(state, hid, w, b, y, softcap):
+    """``state`` (max, sum of exp, target logit, sum of logits per row) against float64's;
+    returns the state's LSE."""
     z = hid.double() @ w.double().t()
     if b is not None:
         z = z + b.double()
@@ -110,6 +116,7 @@ def test_state_against_float64(monkeypatch, spy, dtype, softcap, bias, part_bloc
     torch.testing.assert_close(state[2].double()[counted], z_t[counted], rtol=1e-6, atol=1e-6)
     assert (state[2][~counted] == 0).all()  # an ignored row never matches a column
     torch.testing.assert_close(state[3].double(), s.sum(-1), rtol=1e-5, atol=1e-5)
+    return lse
 
 
 @pytest.mark.parametrize("softcap,bias,part_blocks", [(None, False, None), (7.0, True, 2),
@@ -135,17 +142,7 @@ def test_runs_state_against_float64(monkeypatch, spy, softcap, bias, part_blocks
     CUDA_LAUNCHERS.lse_tma(hid, w, b, y, state, spec)
     run_tiles = -(-7 // (part_blocks or 7))
     assert spy[1] == [] and spy[2] == [(v, run_tiles)]
-    z = hid.double() @ w.double().t()
-    if b is not None:
-        z = z + b.double()
-    s = _capped(z, softcap)
-    lse = state[0].double() + state[1].double().log()
-    torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=1e-6, atol=1e-6)
-    counted = y >= 0
-    z_t = s.gather(1, y.clamp(min=0)[:, None]).squeeze(1)
-    torch.testing.assert_close(state[2].double()[counted], z_t[counted], rtol=1e-6, atol=1e-6)
-    assert (state[2][~counted] == 0).all()
-    torch.testing.assert_close(state[3].double(), s.sum(-1), rtol=1e-5, atol=1e-5)
+    lse = _check_state(state, hid, w, b, y, softcap)
     monkeypatch.setattr(launch, "TMA_RUNS_MIN_ROWS_PER_HIDDEN", 10**9)
     blocks = zl._initial_state(n, hid.device)
     CUDA_LAUNCHERS.lse_tma(hid, w, b, y, blocks, spec)

@@ -1076,6 +1076,24 @@ def _tma_logits_tile(h_desc, w_desc, off_m, w_row, k_tiles, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def _tma_logits_epilogue(acc, off_n, n_cols, v0, b_ptr, softcap, HAS_BIAS: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+                         FAST_MATH: tl.constexpr):  # fmt: skip
+    """``(x, cols, col_ok)`` of the TMA forwards' float32 logits tile ``acc`` of the columns
+    ``off_n ...`` (relative to ``v0``): ``x`` bias-added and softcapped, ``-inf`` beyond
+    ``n_cols``."""
+    cols = off_n + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    x = acc
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + cols, mask=col_ok, other=0.0)
+        x += bias.to(tl.float32)[None, :]
+    if HAS_SOFTCAP:
+        x = _softcap(x, softcap, 1.0 / softcap, FAST_MATH)
+    return tl.where(col_ok[None, :], x, float("-inf")), cols, col_ok
+
+
+@triton.jit
 def lse_tma_kernel(h_desc, w_desc, b_ptr, labels_ptr, part_ptr, n_rows, n_cols, v0, hsize,
                    softcap, n_programs, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    SMOOTHING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -1105,15 +1123,8 @@ def lse_tma_kernel(h_desc, w_desc, b_ptr, labels_ptr, part_ptr, n_rows, n_cols, 
         off_n = pn * BLOCK_N
         acc = _tma_logits_tile(h_desc, w_desc, off_m, v0 + off_n, k_tiles, BLOCK_M, BLOCK_N,
                                BLOCK_K, UPCAST)  # fmt: skip
-        cols = off_n + tl.arange(0, BLOCK_N)
-        col_ok = cols < n_cols
-        x = acc
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + cols, mask=col_ok, other=0.0)
-            x += bias.to(tl.float32)[None, :]
-        if HAS_SOFTCAP:
-            x = _softcap(x, softcap, 1.0 / softcap, FAST_MATH)
-        x = tl.where(col_ok[None, :], x, float("-inf"))
+        x, cols, col_ok = _tma_logits_epilogue(acc, off_n, n_cols, v0, b_ptr, softcap, HAS_BIAS,
+                                               HAS_SOFTCAP, BLOCK_N, FAST_MATH)  # fmt: skip
         m = tl.maximum(tl.max(x, axis=1), _NEG_BIG)  # finite: no inf - inf on a -inf block
         s = tl.sum(_exp(x - m[:, None], FAST_MATH), axis=1)
         rows = off_m + tl.arange(0, BLOCK_M)
@@ -1166,15 +1177,9 @@ def lse_tma_runs_kernel(h_desc, w_desc, b_ptr, labels_ptr, part_ptr, n_rows, n_c
             off_n = (seg * run_tiles + j) * BLOCK_N
             acc = _tma_logits_tile(h_desc, w_desc, off_m, v0 + off_n, k_tiles, BLOCK_M,
                                    BLOCK_N, BLOCK_K, UPCAST)  # fmt: skip
-            cols = off_n + tl.arange(0, BLOCK_N)
-            col_ok = cols < n_cols
-            x = acc
-            if HAS_BIAS:
-                bias = tl.load(b_ptr + tl.cast(v0, tl.int64) + cols, mask=col_ok, other=0.0)
-                x += bias.to(tl.float32)[None, :]
-            if HAS_SOFTCAP:
-                x = _softcap(x, softcap, 1.0 / softcap, FAST_MATH)
-            x = tl.where(col_ok[None, :], x, float("-inf"))
+            x, cols, col_ok = _tma_logits_epilogue(acc, off_n, n_cols, v0, b_ptr, softcap,
+                                                   HAS_BIAS, HAS_SOFTCAP, BLOCK_N,
+                                                   FAST_MATH)  # fmt: skip
             m_new = tl.maximum(m, tl.max(x, axis=1))
             s = s * _exp(m - m_new, FAST_MATH) + tl.sum(_exp(x - m_new[:, None], FAST_MATH),
                                                         axis=1)  # fmt: skip
