@@ -349,7 +349,7 @@ def test_zero_logits_gradient_kernels_agree(monkeypatch, n, h, v, dtype, opts):
     epilogue (the default on this GPU; spied) and from float32 cuBLAS logits with
     ``logits_grad_cols`` give the same gradients to float32 summation order; at N/H = 32 (above
     ``MAX_ROWS_PER_HIDDEN``) the float32-logit run is the tiled kernels', and both runs are
-    held to float32's gradients."""
+    held to float32's gradients (no worse than ``SLACK`` x PyTorch's own path)."""
     from fused_ce_patch.backends.triton import launch, zero_logits_inplace
 
     if not launch.tma_device(torch.device("cuda")):
@@ -376,11 +376,12 @@ def test_zero_logits_gradient_kernels_agree(monkeypatch, n, h, v, dtype, opts):
         return
     # against the tiled kernels, which round dW once from float32 where the in-place backward
     # rounds its target rows once more (their float32 column added after the product): the
-    # two are ~7.5e-4 apart in dW (interpreter, N/H = 32), so each is held to float32 instead
-    upcast = [t.detach().float().requires_grad_() for t in leaves]
-    ref = reference(upcast[0], upcast[1], labels, bias=upcast[2] if b is not None else None,
-                    **opts)  # fmt: skip
-    want = torch.autograd.grad(ref, upcast)
+    # two are ~7.5e-4 apart in dW (interpreter, N/H = 32), so each is held to float32 as the
+    # suite holds low-precision results: no worse than SLACK x PyTorch's own path's error
+    ref = reference(hidden, weight, labels, bias=b, **opts)
+    theirs = reference(hidden, weight, labels, bias=b, upcast=False, **opts)
+    want = torch.autograd.grad(ref, leaves)
+    torch_err = [rel(t_, r) for t_, r in zip(torch.autograd.grad(theirs, leaves), want)]
     for run in runs.values():
-        for got, w in zip(run[1:], want):
-            assert rel(got, w) <= 3e-3
+        for got, r, e_torch in zip(run[1:], want, torch_err):
+            assert rel(got, r) <= SLACK * e_torch + 1e-6
