@@ -187,6 +187,53 @@ def save(args, env, rows):
     name = "gpu_trl_head_tiny.json" if args.tiny else "gpu_trl_head.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
+    plot(rows, os.path.join(args.out, name.replace(".json", ".png")))
+
+
+def plot(rows, path):
+    """Bars of ours / TRL's time and extra memory per shape and head (sft, logp, grpo), with
+    the issue's 0.80x time target."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    import plot_style
+
+    got = {(r["shape"], r["impl"]): r for r in rows if "ms" in r}
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    heads = [h for h in ("sft", "logp", "grpo")
+             if any((s, f"ours-{h}") in got and (s, f"trl-{h}") in got for s in shapes)]
+    if not heads:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.8 / len(heads)
+    shades = {"sft": plot_style.OURS, "logp": "#6a9fd8", "grpo": "#0b2f5c"}
+    for k, (key, label) in enumerate((("ms", "time, ours / TRL"),
+                                      ("extra_mib", "extra memory, ours / TRL"))):
+        ax = axes[k]
+        for i, h in enumerate(heads):
+            xs, ys = [], []
+            for j, s in enumerate(shapes):
+                ours, trl = got.get((s, f"ours-{h}")), got.get((s, f"trl-{h}"))
+                if ours and trl and ours.get(key) and trl.get(key):
+                    xs.append(j + i * width)
+                    ys.append(ours[key] / trl[key])
+            ax.bar(xs, ys, width, label=h, color=shades[h])
+        ax.axhline(1.0, color="#8c8c8c", lw=0.8)
+        if key == "ms":
+            ax.axhline(0.8, color="#d62728", lw=0.8, ls="--", label="target 0.80")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, fontsize=8)
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8, loc="lower left")
+    fig.suptitle("fused_linear_token_stats vs TRL's fused LM head (fwd+bwd)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -219,6 +219,8 @@ def test_tiny_benchmark_runs(tmp_path):
     assert rows and all("error" not in r for r in rows), rows
     assert all(r["err_loss"] < 1e-3 and r["err_dh"] < 1e-2 for r in rows)
     assert (tmp_path / "gpu_trl_head_tiny.json").is_file()
+    if "trl-sft" in impls and importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "gpu_trl_head_tiny.png").is_file()
 
 
 @pytest.mark.parametrize("hint", [True, "on", 1])

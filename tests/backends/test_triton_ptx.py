@@ -143,3 +143,45 @@ def test_in_place_gradient_kernel_keeps_its_barrier(softcap):
     (``g`` written over ``z``), and with no atomics."""
     got = aot.run(_COLS_SCRIPT)[str(softcap)]
     assert got["cubin"] and got["barrier"] and not got["atomics"]
+
+
+_STATS_SCRIPT = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fused_ce_patch.backends.triton.stats_kernels import token_stats_row_kernel
+
+why = missing_toolchain(("cuda", 90, 32))
+if why:
+    print(json.dumps({"skip": why}))
+    sys.exit(0)
+names = ["z_ptr", "stride_z", "labels_ptr", "max_ptr", "log_s_ptr", "nll_ptr", "ent_ptr",
+         "top1_ptr", "mean_ptr", "sq_ptr", "coef_ptr", "g_lp_ptr", "g_lp_value", "g_ent_ptr",
+         "vocab", "logit_scale", "softcap", "temperature"]
+types = ["*bf16", "i64", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*i8", "*fp32", "*fp32",
+         "*fp32", "*fp32", "fp32", "*fp32", "i32", "fp32", "fp32", "fp32"]
+out = {}
+for softcap in (False, True):
+    # the CUDA launch (launch.stats_kernel_config): 2048 columns a step in 8 segments
+    consts = dict(HAS_SOFTCAP=softcap, STATS=True, ENTROPY=True, TOP1=True, MEAN=True,
+                  SQ=True, GRAD=True, G_LP=1, G_ENT=False, BLOCK_V=2048, FIX_RNE=False,
+                  NUM_STAGES=3, SUB_ROWS=8, FAST_MATH=True, ENTROPY_IN_GRAD=True)
+    signature = dict(zip(names, types)) | {k: "constexpr" for k in consts}
+    k = triton.compile(ASTSource(fn=token_stats_row_kernel, signature=signature,
+                                 constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 8 if softcap else 4, "num_stages": 3})
+    ptx = k.asm["ptx"]
+    out[str(softcap)] = {"cubin": len(k.asm["cubin"]) > 0, "ex2": "ex2.approx.ftz.f32" in ptx,
+                         "rcp": "rcp.approx.ftz.f32" in ptx}
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.parametrize("softcap", [False, True], ids=["plain", "softcap"])
+def test_token_stats_kernel_ptx(softcap):
+    """The per-token statistics row kernel compiles for sm_90 as CUDA launches it (every
+    statistic, the gradient in the same launch), with the fast PTX ``exp`` (and reciprocal,
+    with softcap)."""
+    got = aot.run(_STATS_SCRIPT)[str(softcap)]
+    assert got["cubin"] and got["ex2"] and got["rcp"] == softcap

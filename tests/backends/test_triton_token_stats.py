@@ -25,6 +25,7 @@ from interpreted import import_kernels  # noqa: E402
 import_kernels()
 from fused_ce_patch import ForwardGradHint, fused_linear_token_stats  # noqa: E402
 from fused_ce_patch.backends.triton import token_stats as triton_stats  # noqa: E402
+from fused_ce_patch.backends.triton.launch import RowKernelConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from test_token_stats import _oracle  # noqa: E402
@@ -72,8 +73,28 @@ OPTS = [{}, {"softcap": 3.0}, {"logit_scale": 0.5, "softcap": 2.0, "temperature"
         {"temperature": 0.7}]
 
 
+def _row_config(monkeypatch, block_v, sub_rows, num_stages=1):
+    """Launch the stats kernel with ``block_v`` columns a step in ``sub_rows`` segments (the
+    CUDA launch's layout: 8 segments of 256; the interpreter's default is one segment);
+    ``num_stages > 1`` takes the kernel's ``tl.range`` loops (CUDA's)."""
+    if block_v is None:
+        return
+    cfg = RowKernelConfig(block_v=block_v, num_warps=4, num_stages=num_stages,
+                          sub_rows=sub_rows)
+    monkeypatch.setattr(triton_stats, "stats_kernel_config", lambda vocab, device, softcap: cfg)
+
+
+#: (block_v, sub_rows[, num_stages]): the interpreter's default; V = 53 in 4 blocks of 4
+#: segments, the last segments partly or wholly past V; one block of 8 segments, the last
+#: one past V; one column a segment, with the pipelined loops
+ROW_CONFIGS = [(None, 1), (16, 4), (64, 8), (32, 32, 2)]
+ROW_IDS = ["default", "16x4", "64x8", "32x32-stages2"]
+
+
+@pytest.mark.parametrize("row_config", ROW_CONFIGS, ids=ROW_IDS)
 @pytest.mark.parametrize("opts", OPTS)
-def test_float32_every_field_and_per_token_grads(opts, monkeypatch):
+def test_float32_every_field_and_per_token_grads(opts, row_config, monkeypatch):
+    _row_config(monkeypatch, *row_config)
     calls = _spy(monkeypatch)
     hid, w, b, y = _inputs()
     # 16 rows a chunk: 26 counted rows make 2 chunks (plan_rows evens them out)
@@ -108,8 +129,10 @@ def test_float32_every_field_and_per_token_grads(opts, monkeypatch):
     assert torch.all(got[0][~mask] == 0)
 
 
+@pytest.mark.parametrize("row_config", ROW_CONFIGS, ids=ROW_IDS)
 @pytest.mark.parametrize("opts", OPTS[:3])
-def test_forward_grad_hint_uniform_upstream(opts):
+def test_forward_grad_hint_uniform_upstream(opts, row_config, monkeypatch):
+    _row_config(monkeypatch, *row_config)
     hid, w, b, y = _inputs(seed=2)
     hint = ForwardGradHint()
     out = fused_linear_token_stats(hid, w, y, bias=b, entropy=True, accuracy=True,
@@ -119,6 +142,8 @@ def test_forward_grad_hint_uniform_upstream(opts):
           "temperature": opts.get("temperature", 1.0)}
     h64, w64, b64 = _f64(hid, w, b)
     lp, ent, _ = _oracle(h64, w64, b64, y, **kw)
+    # the entropy of the one-launch schedule comes from the gradient pass (-sum p log p)
+    assert rel(out.log_probs, lp) < 1e-6 and rel(out.entropy, ent) < 1e-5
     n_items = 7.0
     # SFT's loss: -sum(log p) / num_items, entropy only logged
     got = torch.autograd.grad(-out.log_probs.sum() / n_items + 0 * out.entropy.detach().sum(),
@@ -129,8 +154,11 @@ def test_forward_grad_hint_uniform_upstream(opts):
     assert hint.on
 
 
+@pytest.mark.parametrize("row_config", ROW_CONFIGS[:2], ids=ROW_IDS[:2])
 @pytest.mark.parametrize("upstream", ["per_token", "entropy"])
-def test_forward_grad_hint_mismatch_recomputes_and_turns_off(upstream):
+def test_forward_grad_hint_mismatch_recomputes_and_turns_off(upstream, row_config,
+                                                             monkeypatch):  # fmt: skip
+    _row_config(monkeypatch, *row_config)
     hid, w, b, y = _inputs(seed=3)
     hint = ForwardGradHint()
     h64, w64, b64 = _f64(hid, w, b)
@@ -152,6 +180,29 @@ def test_forward_grad_hint_mismatch_recomputes_and_turns_off(upstream):
         assert not hint.on
 
 
+@pytest.mark.parametrize("row_config", ROW_CONFIGS[:2], ids=ROW_IDS[:2])
+def test_hint_entropy_gradient_as_accurate_as_without(row_config, monkeypatch):
+    # With a hint the first call's entropy comes from the gradient pass; an entropy gradient
+    # then recomputes with it: -p (log p + H) cancels for near-uniform rows (small logit
+    # scale), where log_s must cancel between log p and H as it does without the hint
+    _row_config(monkeypatch, *row_config)
+    hid, w, b, y = _inputs(n=20, h=7, seed=100)
+    g_ent = torch.randn(y.shape[0], generator=torch.Generator().manual_seed(0),
+                        dtype=torch.float64)
+    h64, w64, b64 = _f64(hid, w, b)
+    _, ent, _ = _oracle(h64, w64, b64, y, scale=1e-3)
+    want = torch.autograd.grad((ent * g_ent).sum(), (h64, w64, b64))
+    errs = {}
+    for hint in (ForwardGradHint(), None):
+        out = fused_linear_token_stats(hid, w, y, bias=b, entropy=True, logit_scale=1e-3,
+                                       logits_budget=16 * V * 4, backend="triton",
+                                       grad_hint=hint)
+        got = torch.autograd.grad((out.entropy * g_ent).sum(), (hid, w, b))
+        errs[hint is None] = [rel(a, e) for a, e in zip(got, want)]
+    for with_hint, without in zip(errs[False], errs[True]):
+        assert with_hint <= 1.5 * without + 1e-7, errs
+
+
 def test_forward_grad_hint_partial_needs():
     hid, w, b, y = _inputs(seed=4)
     w.requires_grad_(False)
@@ -165,8 +216,10 @@ def test_forward_grad_hint_partial_needs():
     assert rel(dh, want[0]) < 1e-5 and rel(db, want[1]) < 1e-5
 
 
+@pytest.mark.parametrize("row_config", ROW_CONFIGS[:2], ids=ROW_IDS[:2])
 @pytest.mark.parametrize("hint", [None, ForwardGradHint()])
-def test_bfloat16_no_worse_than_the_torch_path(hint):
+def test_bfloat16_no_worse_than_the_torch_path(hint, row_config, monkeypatch):
+    _row_config(monkeypatch, *row_config)
     hid, w, _, y = _inputs(dtype=torch.bfloat16, seed=5)
     h64, w64 = _f64(hid, w)
     # values against the bf16-rounded logits (as lm_head(hidden) rounds them), gradients
@@ -186,15 +239,31 @@ def test_bfloat16_no_worse_than_the_torch_path(hint):
         assert ours <= 1.5 * torch_path + 1e-6, (i, errs)
 
 
-def test_is_top1_first_maximum_on_ties():
-    # columns 0 and 1 tie for the maximum in every row; V spans several row-kernel blocks
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("row_config", [(None, 1), (1024, 8)], ids=["default", "1024x8"])
+def test_is_top1_first_maximum_on_ties(row_config, softcap, monkeypatch):
+    _row_config(monkeypatch, *row_config)
+    # columns 0, 1, 1500 tie for the maximum in every row; V spans several row-kernel blocks
+    # (with 8 segments of 128: 1500 is in block 1, segment 3)
     v = 2100
     w = torch.zeros(v, 1)
     w[0] = w[1] = w[1500] = 1.0
     h = torch.ones(3, 1)
     y = torch.tensor([0, 1, 1500])
-    out = fused_linear_token_stats(h, w, y, accuracy=True, backend="triton")
+    out = fused_linear_token_stats(h, w, y, accuracy=True, softcap=softcap, backend="triton")
     assert out.is_top1.tolist() == [True, False, False]
+    # a tie within one block across segments: the lower column (segment 0) wins
+    w = torch.zeros(v, 1)
+    w[200] = w[100] = 1.0
+    out = fused_linear_token_stats(h[:2], w, torch.tensor([100, 200]), accuracy=True,
+                                   softcap=softcap, backend="triton")
+    assert out.is_top1.tolist() == [True, False]
+    # a target below the maximum, and one just above a column one ulp of x below it
+    w[300] = 1.5
+    w[400] = torch.nextafter(torch.tensor(1.5), torch.tensor(0.0))
+    out = fused_linear_token_stats(h[:2], w, torch.tensor([100, 300]), accuracy=True,
+                                   softcap=softcap, backend="triton")
+    assert out.is_top1.tolist() == [False, True]
 
 
 def test_confident_rows_keep_their_gradient():

@@ -76,6 +76,20 @@ def row_kernel_config(vocab: int, device: torch.device) -> RowKernelConfig:
                            fast_math=nvidia_ptx(device))
 
 
+def stats_kernel_config(vocab: int, device: torch.device, softcap: bool) -> RowKernelConfig:
+    """Launch of :func:`~.stats_kernels.token_stats_row_kernel` (one program per row)."""
+    if device.type != "cuda":
+        return row_kernel_config(vocab, device)
+    # 8 segments of 256 a step; 4 warps (8 with softcap): on an H200 the SFT statistics
+    # (entropy, top-1, gradient in one launch) of one chunk ran 6-12 % faster than at 4096
+    # columns in 16 segments and 8 warps (the loss kernel's launch), where the per-lane
+    # accumulators take 220 registers a thread (BENCHMARKS.md, 2026-12-03 08:00)
+    block_v = min(2048, _pow2(vocab))
+    return RowKernelConfig(block_v=block_v, num_warps=8 if softcap else 4, num_stages=3,
+                           sub_rows=8 if block_v >= 2048 else 1,
+                           fast_math=nvidia_ptx(device))
+
+
 def nvidia_ptx(device: torch.device) -> bool:
     """Whether Triton compiles for ``device`` through NVIDIA's PTX (CUDA, not ROCm), so that
     kernels may carry inline PTX."""

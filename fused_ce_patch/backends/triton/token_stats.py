@@ -36,7 +36,7 @@ from ...errors import single_backward
 from ..chunked import forward_grad_safe
 from .chunked_path import _backprop_chunk, _Grads, _logits, _new_grads, plan_rows
 from .chunked_path import _finish as finish_chunks
-from .launch import CUDA_LAUNCHERS, row_kernel_config
+from .launch import CUDA_LAUNCHERS, stats_kernel_config
 from .stats_kernels import token_stats_row_kernel
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def _launch(z, labels, out, coef, *, stats, grad, extras, transform, g_lp=None, 
     r, vocab = z.shape
     if r == 0:
         return
-    cfg = row_kernel_config(vocab, z.device)
+    cfg = stats_kernel_config(vocab, z.device, transform.softcap is not None)
     mx, log_s, nll, ent, top1, mean, sq = out
     dummy = mx
     token_stats_row_kernel[(r,)](
@@ -76,6 +76,9 @@ def _launch(z, labels, out, coef, *, stats, grad, extras, transform, g_lp=None, 
         G_LP=0 if not grad else (2 if g_lp is not None else 1),
         G_ENT=grad and g_ent is not None,
         BLOCK_V=cfg.block_v, FIX_RNE=z.device.type == "cpu", NUM_STAGES=cfg.num_stages,
+        SUB_ROWS=cfg.sub_rows, FAST_MATH=cfg.fast_math,
+        # stats and gradient in one launch: the entropy from the gradient pass's p and log p
+        ENTROPY_IN_GRAD=stats and grad and "entropy" in extras and g_ent is None,
         num_warps=cfg.num_warps,
     )  # fmt: skip
 
