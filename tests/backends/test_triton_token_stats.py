@@ -142,7 +142,7 @@ def test_forward_grad_hint_uniform_upstream(opts, row_config, monkeypatch):
           "temperature": opts.get("temperature", 1.0)}
     h64, w64, b64 = _f64(hid, w, b)
     lp, ent, _ = _oracle(h64, w64, b64, y, **kw)
-    # the entropy of the one-launch schedule comes from the gradient pass (-sum p log p)
+    # the entropy of the one-launch schedule comes from the gradient pass
     assert rel(out.log_probs, lp) < 1e-6 and rel(out.entropy, ent) < 1e-5
     n_items = 7.0
     # SFT's loss: -sum(log p) / num_items, entropy only logged

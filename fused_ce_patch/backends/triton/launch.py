@@ -81,7 +81,7 @@ def stats_kernel_config(vocab: int, device: torch.device, softcap: bool) -> RowK
     if device.type != "cuda":
         return row_kernel_config(vocab, device)
     # 8 segments of 256 a step; 4 warps (8 with softcap): on an H200 the SFT statistics
-    # (entropy, top-1, gradient in one launch) of one chunk ran 6-12 % faster than at 4096
+    # (entropy, top-1, gradient in one launch) of one chunk ran 7-15 % faster than at 4096
     # columns in 16 segments and 8 warps (the loss kernel's launch), where the per-lane
     # accumulators take 220 registers a thread (BENCHMARKS.md, 2026-12-03 08:00)
     block_v = min(2048, _pow2(vocab))

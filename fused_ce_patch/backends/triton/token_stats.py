@@ -77,7 +77,7 @@ def _launch(z, labels, out, coef, *, stats, grad, extras, transform, g_lp=None, 
         G_ENT=grad and g_ent is not None,
         BLOCK_V=cfg.block_v, FIX_RNE=z.device.type == "cpu", NUM_STAGES=cfg.num_stages,
         SUB_ROWS=cfg.sub_rows, FAST_MATH=cfg.fast_math,
-        # stats and gradient in one launch: the entropy from the gradient pass's p and log p
+        # stats and gradient in one launch: the entropy from the gradient pass's p
         ENTROPY_IN_GRAD=stats and grad and "entropy" in extras and g_ent is None,
         num_warps=cfg.num_warps,
     )  # fmt: skip
