@@ -157,31 +157,36 @@ if why:
     sys.exit(0)
 names = ["z_ptr", "stride_z", "labels_ptr", "max_ptr", "log_s_ptr", "nll_ptr", "ent_ptr",
          "top1_ptr", "mean_ptr", "sq_ptr", "coef_ptr", "g_lp_ptr", "g_lp_value", "g_ent_ptr",
-         "vocab", "logit_scale", "softcap", "temperature"]
+         "vocab", "logit_scale", "softcap", "temperature", "col0"]
 types = ["*bf16", "i64", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*i8", "*fp32", "*fp32",
-         "*fp32", "*fp32", "fp32", "*fp32", "i32", "fp32", "fp32", "fp32"]
+         "*fp32", "*fp32", "fp32", "*fp32", "i32", "fp32", "fp32", "fp32", "i32"]
 out = {}
-for softcap in (False, True):
-    # the CUDA launch (launch.stats_kernel_config): 2048 columns a step in 8 segments
-    consts = dict(HAS_SOFTCAP=softcap, STATS=True, ENTROPY=True, TOP1=True, MEAN=True,
-                  SQ=True, GRAD=True, G_LP=1, G_ENT=False, BLOCK_V=2048, FIX_RNE=False,
-                  NUM_STAGES=3, SUB_ROWS=8, FAST_MATH=True, ENTROPY_IN_GRAD=True)
+for softcap, col_tile in ((False, False), (True, False), (False, True), (True, True)):
+    # the CUDA launch (launch.stats_kernel_config): 2048 columns a step in 8 segments; SFT's
+    # one launch, or the column-tiled backward's gradient pass (per-token weights, entropy)
+    stats = not col_tile
+    consts = dict(HAS_SOFTCAP=softcap, STATS=stats, ENTROPY=stats, TOP1=stats, MEAN=stats,
+                  SQ=stats, GRAD=True, G_LP=2 if col_tile else 1, G_ENT=col_tile,
+                  BLOCK_V=2048, FIX_RNE=False, NUM_STAGES=3, SUB_ROWS=8, FAST_MATH=True,
+                  ENTROPY_IN_GRAD=stats, COL_TILE=col_tile)
     signature = dict(zip(names, types)) | {k: "constexpr" for k in consts}
     k = triton.compile(ASTSource(fn=token_stats_row_kernel, signature=signature,
                                  constexprs=consts),
                        target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 8 if softcap else 4, "num_stages": 3})
     ptx = k.asm["ptx"]
-    out[str(softcap)] = {"cubin": len(k.asm["cubin"]) > 0, "ex2": "ex2.approx.ftz.f32" in ptx,
-                         "rcp": "rcp.approx.ftz.f32" in ptx}
+    out[f"{softcap}-{col_tile}"] = {"cubin": len(k.asm["cubin"]) > 0,
+                                    "ex2": "ex2.approx.ftz.f32" in ptx,
+                                    "rcp": "rcp.approx.ftz.f32" in ptx}
 print(json.dumps(out))
 '''
 
 
+@pytest.mark.parametrize("col_tile", [False, True], ids=["sft", "col_tile"])
 @pytest.mark.parametrize("softcap", [False, True], ids=["plain", "softcap"])
-def test_token_stats_kernel_ptx(softcap):
+def test_token_stats_kernel_ptx(softcap, col_tile):
     """The per-token statistics row kernel compiles for sm_90 as CUDA launches it (every
-    statistic, the gradient in the same launch), with the fast PTX ``exp`` (and reciprocal,
-    with softcap)."""
-    got = aot.run(_STATS_SCRIPT)[str(softcap)]
+    statistic, the gradient in the same launch; or the column-tiled backward's gradient
+    pass), with the fast PTX ``exp`` (and reciprocal, with softcap)."""
+    got = aot.run(_STATS_SCRIPT)[f"{softcap}-{col_tile}"]
     assert got["cubin"] and got["ex2"] and got["rcp"] == softcap

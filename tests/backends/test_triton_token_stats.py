@@ -336,3 +336,173 @@ def test_hint_without_grad_mode_forms_no_gradient(monkeypatch):
         with mode():
             fused_linear_token_stats(hid, w, y, bias=b, backend="triton", grad_hint=hint)
     assert formed == [] and hint.on
+
+
+# --- the column-tiled recompute backward (triton_stats._grad_pass_columns) -----------------
+
+def _column_plan(monkeypatch, rows, cols):
+    """Force the recompute backward onto column tiles of ``rows`` x ``cols``; returns the
+    list of plans it ran with (one per backward)."""
+    ran = []
+
+    def plan(*_args):
+        ran.append(triton_stats.ColumnPlan(rows, cols))
+        return ran[-1]
+
+    monkeypatch.setattr(triton_stats, "plan_columns", plan)
+    return ran
+
+
+#: (rows a group, columns a tile): one group, 4 tiles (the last 5 of V = 53 columns); three
+#: groups of 9 (dW added by later groups) by 16; one column a tile; one tile of all columns
+COLUMN_PLANS = [(64, 16), (9, 16), (40, 1), (26, 53)]
+
+
+@pytest.mark.parametrize("plan", COLUMN_PLANS, ids=[f"{r}x{c}" for r, c in COLUMN_PLANS])
+@pytest.mark.parametrize("row_config", ROW_CONFIGS[:3], ids=ROW_IDS[:3])
+@pytest.mark.parametrize("opts", OPTS[:3])
+def test_column_tiled_backward_per_token_grads(opts, row_config, plan, monkeypatch):
+    _row_config(monkeypatch, *row_config)
+    ran = _column_plan(monkeypatch, *plan)
+    hid, w, b, y = _inputs(seed=11)
+    out = fused_linear_token_stats(hid, w, y, bias=b, entropy=True, logits_budget=16 * V * 4,
+                                   backend="triton", **opts)
+    kw = {"softcap": opts.get("softcap"), "scale": opts.get("logit_scale", 1.0),
+          "temperature": opts.get("temperature", 1.0)}
+    h64, w64, b64 = _f64(hid, w, b)
+    lp, ent, _ = _oracle(h64, w64, b64, y, **kw)
+    g = torch.Generator().manual_seed(12)
+    g_lp = torch.randn(y.shape[0], generator=g, dtype=torch.float64)
+    g_ent = torch.randn(y.shape[0], generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum(),
+                              (hid, w, b))
+    want = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (h64, w64, b64))
+    assert len(ran) == 1
+    for name, a, e in zip("HWb", got, want):
+        assert rel(a, e) < 1e-5, name
+    assert torch.all(got[0][y == -100] == 0)
+
+
+@pytest.mark.parametrize("upstream", ["log_probs", "entropy"])
+def test_column_tiled_backward_partial_needs(upstream, monkeypatch):
+    # frozen weight, no bias; one upstream gradient absent
+    ran = _column_plan(monkeypatch, 9, 16)
+    hid, w, _, y = _inputs(seed=13)
+    w.requires_grad_(False)
+    out = fused_linear_token_stats(hid, w, y, entropy=True, softcap=3.0,
+                                   logits_budget=16 * V * 4, backend="triton")
+    h64, w64 = _f64(hid, w)
+    lp, ent, _ = _oracle(h64, w64, None, y, softcap=3.0)
+    g_tok = torch.linspace(-1, 2, y.shape[0], dtype=torch.float64)
+    got_out, ref_out = (out.log_probs, lp) if upstream == "log_probs" else (out.entropy, ent)
+    (dh,) = torch.autograd.grad((got_out * g_tok).sum(), (hid,))
+    (want,) = torch.autograd.grad((ref_out * g_tok).sum(), (h64,))
+    assert len(ran) == 1 and rel(dh, want) < 1e-5
+
+
+@pytest.mark.parametrize("hint", [None, ForwardGradHint()])
+def test_column_tiled_backward_bfloat16_no_worse_than_row_chunks(hint, monkeypatch):
+    # per-token weights (the recompute schedule); the hint, if any, is dropped at the first
+    # backward and the gradient recomputed on column tiles
+    hid, w, b, y = _inputs(dtype=torch.bfloat16, seed=14)
+    h64, w64, b64 = _f64(hid, w, b)
+    lp64, ent64, _ = _oracle(h64, w64, b64, y)
+    g_lp = torch.linspace(-1, 2, y.shape[0], dtype=torch.float64)
+    want = torch.autograd.grad((lp64 * g_lp).sum() + 0.1 * ent64.sum(), (h64, w64, b64))
+    errs = {}
+    for tiled in (False, True):
+        with monkeypatch.context() as m:
+            ran = _column_plan(m, 9, 16) if tiled else []
+            if not tiled:
+                m.setattr(triton_stats, "plan_columns", lambda *a: None)
+            out = fused_linear_token_stats(hid, w, y, bias=b, entropy=True,
+                                           logits_budget=16 * V * 2, backend="triton",
+                                           grad_hint=hint)
+            got = torch.autograd.grad((out.log_probs * g_lp.float()).sum()
+                                      + 0.1 * out.entropy.sum(), (hid, w, b))
+        assert len(ran) == int(tiled)
+        errs[tiled] = [rel(a, e) for a, e in zip(got, want)]
+    for tiled, rows in zip(errs[True], errs[False]):
+        assert tiled <= 1.25 * rows + 1e-6, errs
+
+
+def test_plan_columns_bounds():
+    plan_columns = triton_stats.plan_columns
+    MiB = 2**20
+    # (M, H, V): Llama-3, Gemma-2, Qwen2.5, Llama-2 at 8K tokens (90 % counted), Gemma-3 at 32K
+    for m, h, v in [(7373, 4096, 128256), (7373, 2304, 256000), (7373, 3584, 152064),
+                    (7373, 4096, 32000), (29491, 640, 262144)]:
+        for budget in (64 * MiB, 256 * MiB, 512 * MiB):
+            p = plan_columns(m, h, v, 2, budget)
+            chunk_rows = budget // (v * 2)
+            if p is None:
+                continue
+            assert p.rows * p.cols * 2 + 4 * p.rows * h <= budget  # logits tile + dH acc
+            assert 4 * p.rows * h <= budget // 2
+            assert p.rows >= triton_stats.COL_MIN_ROW_GAIN * chunk_rows
+            assert p.rows <= triton_stats.COL_GROUP_ROWS
+            assert min(v, triton_stats.COL_MIN_COLS) <= p.cols <= v
+            assert p.cols % 8 == 0 or p.cols == v
+            _assert_even(m, v, p)
+    # the shapes that motivate it take it; Llama-2's two row chunks do as well as tiles
+    assert plan_columns(7373, 2304, 256000, 2, 256 * MiB) is not None
+    assert plan_columns(29491, 640, 262144, 2, 256 * MiB) is not None
+    assert plan_columns(7373, 4096, 32000, 2, 256 * MiB) is None
+    # the last tile is not a sliver where rounding to 8 columns would leave one (a review's
+    # cases: 18 tiles of 2792 and one of 1 column; 1776-column tiles and a last one of 32)
+    for m, h, v in [(4392, 512, 50257), (11958, 512, 32000)]:
+        p = plan_columns(m, h, v, 2, 32 * MiB)
+        assert p is not None and p.rows * p.cols * 2 + 4 * p.rows * h <= 32 * MiB
+        _assert_even(m, v, p)
+    # 16-bit inputs only (float32's recompute would not repeat forward's logits bit for bit)
+    assert plan_columns(7373, 2304, 256000, 4, 256 * MiB) is None
+    # tiny budgets and shapes: never a tile the budget cannot hold
+    for m, h, v, budget in [(1, 1, 1, 1), (26, 11, 53, 16 * 53 * 4), (5, 3, 7, 10**6),
+                            (100, 8, 2000, 10**5), (0, 8, 100, 10**6), (10, 0, 100, 10**6)]:
+        p = plan_columns(m, h, v, 2, budget)
+        assert p is None or (p.rows * p.cols * 2 + 4 * p.rows * h <= budget
+                             and p.rows >= 1 and p.cols >= 1)
+
+
+def _assert_even(m, v, p):
+    """Groups and tiles (nearly) even: the last of each holds more than half of the others."""
+    last_group = m - (-(-m // p.rows) - 1) * p.rows
+    last_tile = v - (-(-v // p.cols) - 1) * p.cols
+    assert last_group > p.rows // 2 or m <= p.rows, (m, p)
+    assert last_tile > p.cols // 2 or v <= p.cols, (v, p)
+
+
+def test_column_tiled_backward_no_counted_rows(monkeypatch):
+    ran = _column_plan(monkeypatch, 9, 16)
+    hid, w, b, y = _inputs(seed=15)
+    y[:] = -100
+    out = fused_linear_token_stats(hid, w, y, bias=b, entropy=True, logits_budget=16 * V * 4,
+                                   backend="triton")
+    dh, dw, db = torch.autograd.grad((out.log_probs * 2.0).sum() + out.entropy.sum(),
+                                     (hid, w, b))
+    assert len(ran) == 1
+    assert torch.all(dh == 0) and torch.all(dw == 0) and torch.all(db == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_column_tiles_taken_for_16_bit_inputs_only(dtype, monkeypatch):
+    # the real plan, its thresholds lowered to these sizes: float32 keeps the row chunks
+    monkeypatch.setattr(triton_stats, "COL_MIN_ROW_GAIN", 0)
+    monkeypatch.setattr(triton_stats, "COL_MIN_COLS", 1)
+    ran, real = [], triton_stats._grad_pass_columns
+    monkeypatch.setattr(triton_stats, "_grad_pass_columns",
+                        lambda *a, **k: (ran.append(a[5]), real(*a, **k))[1])
+    hid, w, _, y = _inputs(n=40, h=16, dtype=dtype, seed=16, ignored=0.1)
+    out = fused_linear_token_stats(hid, w, y, logits_budget=2000,
+                                   backend="triton")
+    g_lp = torch.linspace(-1, 2, y.shape[0])
+    dh, dw = torch.autograd.grad((out.log_probs * g_lp).sum(), (hid, w))
+    h64, w64 = _f64(hid, w)
+    lp, _, _ = _oracle(h64, w64, None, y)
+    want = torch.autograd.grad((lp * g_lp.double()).sum(), (h64, w64))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel(dh, want[0]) < tol and rel(dw, want[1]) < tol
+    if dtype == torch.float32:
+        assert ran == []
+    else:
+        assert len(ran) == 1 and ran[0].cols < V and ran[0].rows < 36, ran  # 3 x 2 tiles

@@ -58,19 +58,27 @@ def _reference(hidden, weight, labels, softcap, *, fp32_logits):
     return lp.detach(), ent.detach(), dh, dw, g
 
 
-PATHS = {  # name: (backend, $FUSED_CE_TOKEN_STATS_COMPILE, grad hint)
-    "triton": ("auto", "1", False),
-    "triton-hint": ("auto", "1", True),
-    "tiles-compiled": ("torch", "1", False),
-    "tiles-eager": ("torch", "0", False),
+PATHS = {  # name: (backend, $FUSED_CE_TOKEN_STATS_COMPILE, grad hint, column-tiled backward)
+    "triton": ("auto", "1", False, False),
+    "triton-hint": ("auto", "1", True, False),
+    "triton-columns": ("auto", "1", False, True),
+    "tiles-compiled": ("torch", "1", False, False),
+    "tiles-eager": ("torch", "0", False, False),
 }
 
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("path", list(PATHS))
 def test_bf16_no_worse_than_torch(softcap, path, monkeypatch):
-    backend, compiled, use_hint = PATHS[path]
+    backend, compiled, use_hint, columns = PATHS[path]
     monkeypatch.setenv(COMPILE_ENV, compiled)
+    if columns:  # at this shape the row chunks would be taken: force two column tiles
+        from fused_ce_patch.backends.triton import token_stats as triton_stats
+
+        monkeypatch.setattr(triton_stats, "COL_MIN_ROW_GAIN", 0)
+        ran, real = [], triton_stats._grad_pass_columns
+        monkeypatch.setattr(triton_stats, "_grad_pass_columns",
+                            lambda *a, **k: (ran.append(a[5]), real(*a, **k))[1])
     hidden, weight, labels = _inputs(softcap=softcap)
     ref = _reference(hidden, weight, labels, softcap, fp32_logits=True)
     naive = _reference(hidden, weight, labels, softcap, fp32_logits=False)
@@ -87,6 +95,8 @@ def test_bf16_no_worse_than_torch(softcap, path, monkeypatch):
             assert err <= SLACK * floor + 1e-6, f"{name}: {err:.2e} vs torch's {floor:.2e}"
     if use_hint:
         assert not hint.on
+    if columns:
+        assert len(ran) == 1 and ran[0].cols < weight.shape[0], ran
 
 
 def test_forward_grad_hint_sft_loss_matches_recompute():

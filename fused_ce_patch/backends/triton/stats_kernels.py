@@ -195,6 +195,7 @@ def token_stats_row_kernel(
     logit_scale,
     softcap,
     temperature,
+    col0,
     HAS_SOFTCAP: tl.constexpr,
     STATS: tl.constexpr,
     ENTROPY: tl.constexpr,
@@ -210,6 +211,7 @@ def token_stats_row_kernel(
     SUB_ROWS: tl.constexpr = 1,
     FAST_MATH: tl.constexpr = False,
     ENTROPY_IN_GRAD: tl.constexpr = False,
+    COL_TILE: tl.constexpr = False,
 ):
     """Statistics and/or the logits gradient of one row of a ``[r, V]`` chunk (module
     docstring). Grid ``(r,)``.
@@ -219,11 +221,20 @@ def token_stats_row_kernel(
     / ``sq`` (float32 ``[r]``); otherwise ``m``, ``log_s``, ``nll`` (and ``ent`` when
     ``G_ENT``) are read. ``GRAD``: overwrites the row with ``dL/dx`` (0 in the target column)
     and writes the target column's value to ``coef[row]``.
+
+    ``COL_TILE`` (``GRAD`` only): the chunk holds the vocabulary columns ``[col0, col0 +
+    vocab)`` of every row (the column-tiled backward of :mod:`.token_stats`); the statistics
+    are read, and ``coef[row]`` is written only by the tile that holds the row's target.
     """
     row = tl.cast(tl.program_id(0), tl.int64)
     z_row = z_ptr + row * stride_z
     y = tl.load(labels_ptr + row)
-    x_y = tl.load(z_row + y).to(tl.float32)  # before the grad pass overwrites the row
+    if COL_TILE:
+        y = y - col0  # the target's column within this tile (outside [0, vocab): elsewhere)
+        in_tile = (y >= 0) & (y < vocab)
+        x_y = tl.load(z_row + y, mask=in_tile, other=0.0).to(tl.float32)
+    else:
+        x_y = tl.load(z_row + y).to(tl.float32)  # before the grad pass overwrites the row
     if HAS_SOFTCAP:
         in_scale = logit_scale / softcap
         out_scale = softcap / temperature
@@ -294,4 +305,7 @@ def token_stats_row_kernel(
         if HAS_SOFTCAP:
             _, slope_y = _transform(x_y, in_scale, out_scale, HAS_SOFTCAP, FAST_MATH)
             coef = coef * slope_y
-        tl.store(coef_ptr + row, coef)
+        if COL_TILE:
+            tl.store(coef_ptr + row, coef, mask=in_tile)
+        else:
+            tl.store(coef_ptr + row, coef)

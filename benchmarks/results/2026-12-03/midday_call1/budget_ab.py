@@ -1,4 +1,3 @@
-# NOT RUN (2026-12-03: no device time left). Probe for the per-token budget choice; see BENCHMARKS.md, 2026-12-03 08:00, "What bounds Gemma-2's SFT head".
 """ours-sft (fused_linear_token_stats, entropy + top-1, ForwardGradHint) at the default budget
 (TRL's tile, 256 MiB) vs an explicit 512 MiB / 1 GiB of logits per chunk, TRL's SFT head
 beside; fwd+bwd ms (median of 7, alternated twice) and peak extra MiB beyond dH, dW."""
