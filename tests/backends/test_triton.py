@@ -209,6 +209,50 @@ def test_confident_rows_no_worse_than_torch(oracle, path):
             assert e <= 1.25 * e_torch + 1e-6 or e <= e_ulp, (e, e_torch, e_ulp)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ignore_frac", [0.0, 0.3], ids=["dense", "ignored"])
+def test_chunked_dh_target_column_in_float32(monkeypatch, dtype, ignore_frac):
+    """The chunked path's dH: the dense part's float32 product plus the target column in
+    float32, rounded once, is at least as accurate as the target column through the 16-bit
+    matmul with the rest (the fallback where torch has no float32-output matmul, also run
+    here) and as PyTorch's path, over several seeds, with a bias and label smoothing."""
+    case = Case("triton", logits_budget=SMALL_BUDGET)
+    errs = {"ours": [], "fallback": [], "torch": []}
+    real = chunked_path._mm_fp32
+    for seed in range(4):
+        torch.manual_seed(seed)
+        hidden, weight, labels, bias = make(case, (40,), 16, 97, dtype=dtype, bias=True,
+                                            ignore_frac=ignore_frac, logit_std=3.0)
+        exact = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
+
+        def stock(h, w, b):
+            z = torch.nn.functional.linear(h, w, b).float() if h.dtype != torch.float64 \
+                else torch.nn.functional.linear(h, w, b)
+            return torch.nn.functional.cross_entropy(z, labels, label_smoothing=0.1,
+                                                     reduction="sum")
+
+        (ref,) = torch.autograd.grad(stock(*exact), exact[:1])
+        (errs_torch,) = torch.autograd.grad(stock(hidden, weight, bias), (hidden,))
+        errs["torch"].append(rel_err(errs_torch, ref))
+        for who in ("ours", "fallback"):
+            with monkeypatch.context() as m:
+                if who == "fallback":
+                    m.setattr(chunked_path, "_mm_fp32",
+                              lambda a, b: None if a.dtype == dtype else real(a, b))
+                loss = case.loss(hidden, weight, labels, bias=bias, reduction="sum",
+                                 label_smoothing=0.1)
+                (dh,) = torch.autograd.grad(loss, (hidden,))
+            errs[who].append(rel_err(dh, ref))
+    ours, fallback, stock_err = (sum(errs[k]) for k in ("ours", "fallback", "torch"))
+    assert ours <= fallback and ours <= stock_err, errs
+    assert fallback <= 1.25 * stock_err, errs
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
 def test_fp32_matches_oracle_tightly_with_tiles_and_groups(monkeypatch, oracle):
     """float32 on the zero-logits path with several row groups and a partial last tile."""
     monkeypatch.setattr(zero_logits, "DH_GROUP_BYTES", 4 * 20 * 16)

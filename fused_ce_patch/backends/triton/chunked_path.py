@@ -10,8 +10,8 @@ Counted rows are cut into chunks whose logits fit the budget; per chunk::
                                               plain matmul into the empty dW): the matmul
                                               reads dW in float32 compute, one rounding/chunk
     db    += z.sum(0)                         float32
-    z[r, y_r] = coef_r                        the target column joins z for dH only
-    dH[rows] = z @ W                          matmul with a float32 output, rounded once
+    dH[rows] = z @ W + coef_r W[y_r]          matmul with a float32 output, the target column
+                                              added in float32 (dhidden_rows), rounded once
 and once at the end ``dW[y] += sum coef_r h_r`` (target column, float32, one rounding).
 
 The kernels are called through ``cfg.launchers`` (:class:`~.launch.Launchers`): the CUDA
@@ -24,8 +24,9 @@ shared driver accumulates dW either in a float32 ``[V, H]`` buffer (2.4 GB at Ge
 against a 256 MiB target) or by bf16 chunk sums, which loses precision (dW error 4.1e-3 vs
 3.1e-3 for PyTorch's bf16 path at 9 chunks, float64-simulated). Splitting off the target part
 (kernels module docstring) brings dW to ~1.7e-3 with no extra memory; that needs steps between
-the kernel and the matmuls that the shared interface does not have. dH keeps PyTorch's
-rounding (the whole gradient through one bf16 matmul).
+the kernel and the matmuls that the shared interface does not have. dH takes the same
+target column in float32 too (2026-12-03; it went through the bf16 matmul with the rest, as
+PyTorch's path does, before).
 
 Schedules, as in the shared driver: *eager* (scalar reductions with gradients, bfloat16 and
 float32: gradients are formed in forward, 3 matmuls) and *recompute* (``reduction="none"``, and
@@ -195,23 +196,26 @@ class ChunkedConfig:
     tuning: ChunkedTuning = ChunkedTuning()
 
 
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` as a float32 tensor, reduced in float32 for 16-bit operands.
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``a @ b`` as a float32 tensor, the 16-bit operands' products summed in float32 with no
+    rounding of the result; None where that is not available (CUDA torch without ``mm``'s
+    ``out_dtype``, before 2.8).
 
     torch lets cuBLAS reduce the split-K partial sums of 16-bit matmuls in the input dtype
     (``allow_{fp16,bf16}_reduced_precision_reduction``, on by default); dH's matmul (``K = V``,
     few rows) is where cuBLAS splits K, which cost fp16 dH 1.35x PyTorch's error on an H200.
     Asking this one matmul for a float32 output (``out_dtype``, CUDA) keeps its reduction in
     float32 without touching those process-wide flags, which other threads and other code
-    read. Elsewhere (CPU under the interpreter, older torch) the product is widened after a
-    plain matmul: CPU kernels accumulate 16-bit products in float32 anyway.
+    read. Elsewhere (CPU, under the interpreter) the operands are widened exactly first.
     """
-    if a.dtype in (torch.float16, torch.bfloat16) and a.device.type == "cuda":
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):  # torch without mm.dtype
-            pass
-    return torch.mm(a, b).float()
+    if a.dtype not in (torch.float16, torch.bfloat16):
+        return torch.mm(a, b).float()
+    if a.device.type != "cuda":
+        return torch.mm(a.float(), b.float())
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):  # torch without mm.dtype
+        return None
 
 
 def plan_rows(n_valid: int, rows_max: int) -> int:
@@ -262,16 +266,15 @@ def _logits_into(z, h, weight, bias):
 
 
 def _backprop_chunk(dz, h, idx, y, coef, weight, grads: _Grads, rows: slice | None,
-                    dh_first: bool = False):  # fmt: skip
+                    dh_first: bool = False, launchers: Launchers = CUDA_LAUNCHERS):  # fmt: skip
     """Add one chunk's gradient into dH, dW, db. ``dz`` holds the dense part (0 in each row's
-    target column); dW and db take it as is (their target part comes later, in float32),
-    then the target column is written into ``dz`` so that one matmul forms dH (rounded
-    once). ``rows`` is the chunk's slice of dH when its rows are contiguous. ``dh_first``
-    (:class:`ChunkedTuning`): dH first, then the target column is zeroed again (the value the
-    row kernel wrote there) before dW and db read ``dz``: the same products either way."""
+    target column); dW and db take it as is (their target part comes later, in float32), dH
+    gets the target column added in float32 to ``dz @ W`` before its one rounding
+    (:func:`_dhidden_chunk`). ``idx``: the chunk's rows of dH; ``rows``: the same as a slice
+    when they are contiguous (else None). ``dh_first`` (:class:`ChunkedTuning`): dH's matmul
+    before dW's, the same products."""
     if grads.dh is not None and dh_first:
-        _dhidden_chunk(dz, idx, y, coef, weight, grads, rows)
-        dz.scatter_(1, y.unsqueeze(1), 0.0)
+        _dhidden_chunk(dz, idx, y, coef, weight, grads, rows, launchers)
     if grads.dw is not None and grads.dw_fresh:
         torch.mm(dz.t(), h, out=grads.dw)
         grads.dw_fresh = False
@@ -280,17 +283,28 @@ def _backprop_chunk(dz, h, idx, y, coef, weight, grads: _Grads, rows: slice | No
     if grads.db is not None:
         grads.db += dz.sum(0, dtype=torch.float32)
     if grads.dh is not None and not dh_first:
-        _dhidden_chunk(dz, idx, y, coef, weight, grads, rows)
+        _dhidden_chunk(dz, idx, y, coef, weight, grads, rows, launchers)
 
 
-def _dhidden_chunk(dz, idx, y, coef, weight, grads: _Grads, rows: slice | None):
-    """``dH[rows] = (dz + target column) @ W``, the target column written into ``dz``."""
-    dz.scatter_(1, y.unsqueeze(1), coef.unsqueeze(1).to(dz.dtype))
+def _dhidden_chunk(dz, idx, y, coef, weight, grads: _Grads, rows: slice | None,
+                   launchers: Launchers):  # fmt: skip
+    """``dH[rows] = dz @ W + coef_r W[y_r]``: the dense part's product in float32
+    (:func:`_mm_fp32`), the target column added in float32, one rounding
+    (:meth:`~.launch.Launchers.dhidden_rows`). Writing ``coef_r`` into ``dz``'s target column
+    instead, as PyTorch's path has it, rounds the largest entry of each row's gradient to
+    the input dtype: 1.4-1.9x the dH error against float32 logits at bf16 (H200)."""
+    out_rows = idx if rows is None else torch.arange(rows.start, rows.stop, device=dz.device)
     part = _mm_fp32(dz, weight)
-    if rows is not None:
-        grads.dh[rows].copy_(part)
-    else:
-        grads.dh.index_copy_(0, idx, part.to(grads.dh.dtype))
+    if part is not None:
+        launchers.dhidden_rows(grads.dh, out_rows, part=part, coef=coef, labels=y,
+                               weight=weight)  # fmt: skip
+        return
+    # no float32 product (torch < 2.8 on CUDA): a 16-bit dense part would lose the small
+    # gradients (fp16 subnormals) before the target joins it, so the target column goes
+    # through the matmul with the rest, as PyTorch's path has it, and is zeroed again after
+    dz.scatter_(1, y.unsqueeze(1), coef.unsqueeze(1).to(dz.dtype))
+    launchers.dhidden_rows(grads.dh, out_rows, part=torch.mm(dz, weight))
+    dz.scatter_(1, y.unsqueeze(1), 0.0)
 
 
 def _finish(launchers: Launchers, grads: _Grads, hidden, valid_rows, y_valid, coef):
@@ -410,7 +424,7 @@ def _eager_pass(cfg: ChunkedConfig, hidden, weight, bias, valid_rows, y_valid, n
             coef_v[start:stop], cfg.scale, cfg.spec, compute_lse=True, write_grad=True,
         )
         _backprop_chunk(z, h, idx, y, coef_v[start:stop], weight, grads, rows,
-                        cfg.tuning.dh_first)  # fmt: skip
+                        cfg.tuning.dh_first, cfg.launchers)  # fmt: skip
         del z, h
     _finish(cfg.launchers, grads, hidden, valid_rows, y_valid, coef_v)
     return loss_v, lse_v, nll_v, grads
@@ -445,7 +459,7 @@ def _recompute_pass(cfg: ChunkedConfig, hidden, weight, bias, valid_rows, y_vali
             cfg.spec, compute_lse=False, write_grad=True,
         )
         _backprop_chunk(z, h, idx, y, coef_v[start:stop], weight, grads, rows,
-                        cfg.tuning.dh_first)  # fmt: skip
+                        cfg.tuning.dh_first, cfg.launchers)  # fmt: skip
         del z, h
     _finish(cfg.launchers, grads, hidden, valid_rows, y_valid, coef_v)
     return grads
