@@ -199,19 +199,22 @@ class ChunkedConfig:
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """``a @ b`` as a float32 tensor, the 16-bit operands' products summed in float32 with no
     rounding of the result; None where that is not available (CUDA torch without ``mm``'s
-    ``out_dtype``, before 2.8).
+    ``out_dtype``, before 2.8; devices other than CUDA and the CPU, e.g. Ascend NPUs).
 
     torch lets cuBLAS reduce the split-K partial sums of 16-bit matmuls in the input dtype
     (``allow_{fp16,bf16}_reduced_precision_reduction``, on by default); dH's matmul (``K = V``,
     few rows) is where cuBLAS splits K, which cost fp16 dH 1.35x PyTorch's error on an H200.
     Asking this one matmul for a float32 output (``out_dtype``, CUDA) keeps its reduction in
     float32 without touching those process-wide flags, which other threads and other code
-    read. Elsewhere (CPU, under the interpreter) the operands are widened exactly first.
+    read. On the CPU (the interpreter's small shapes) the operands are widened exactly first;
+    elsewhere a float32 copy of a chunk would double its memory, so None.
     """
     if a.dtype not in (torch.float16, torch.bfloat16):
         return torch.mm(a, b).float()
-    if a.device.type != "cuda":
+    if a.device.type == "cpu":
         return torch.mm(a.float(), b.float())
+    if a.device.type != "cuda":
+        return None
     try:
         return torch.mm(a, b, out_dtype=torch.float32)
     except (TypeError, RuntimeError, NotImplementedError):  # torch without mm.dtype
@@ -299,7 +302,7 @@ def _dhidden_chunk(dz, idx, y, coef, weight, grads: _Grads, rows: slice | None,
         launchers.dhidden_rows(grads.dh, out_rows, part=part, coef=coef, labels=y,
                                weight=weight)  # fmt: skip
         return
-    # no float32 product (torch < 2.8 on CUDA): a 16-bit dense part would lose the small
+    # no float32 product (torch < 2.8 on CUDA, NPUs): a 16-bit dense part would lose the small
     # gradients (fp16 subnormals) before the target joins it, so the target column goes
     # through the matmul with the rest, as PyTorch's path has it, and is zeroed again after
     dz.scatter_(1, y.unsqueeze(1), coef.unsqueeze(1).to(dz.dtype))
