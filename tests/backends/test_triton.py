@@ -232,8 +232,8 @@ def test_chunked_dh_target_column_in_float32(monkeypatch, dtype, ignore_frac):
                                                      reduction="sum")
 
         (ref,) = torch.autograd.grad(stock(*exact), exact[:1])
-        (errs_torch,) = torch.autograd.grad(stock(hidden, weight, bias), (hidden,))
-        errs["torch"].append(rel_err(errs_torch, ref))
+        (dh_torch,) = torch.autograd.grad(stock(hidden, weight, bias), (hidden,))
+        errs["torch"].append(rel_err(dh_torch, ref))
         for who in ("ours", "fallback"):
             with monkeypatch.context() as m:
                 if who == "fallback":
