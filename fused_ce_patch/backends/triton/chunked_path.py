@@ -296,7 +296,8 @@ def _dhidden_chunk(dz, idx, y, coef, weight, grads: _Grads, rows: slice | None,
     (:meth:`~.launch.Launchers.dhidden_rows`). Writing ``coef_r`` into ``dz``'s target column
     instead, as PyTorch's path has it, rounds the largest entry of each row's gradient to
     the input dtype: 1.4-1.9x the dH error against float32 logits at bf16 (H200)."""
-    out_rows = idx if rows is None else torch.arange(rows.start, rows.stop, device=dz.device)
+    # the loss passes its counted rows' indices; token statistics pass a slice only
+    out_rows = idx if idx is not None else torch.arange(rows.start, rows.stop, device=dz.device)
     part = _mm_fp32(dz, weight)
     if part is not None:
         launchers.dhidden_rows(grads.dh, out_rows, part=part, coef=coef, labels=y,
