@@ -29,7 +29,8 @@ model is the reference"):
 - a logit-transform operand that requires grad (a trainable ``logit_scale``) gets its exact
   gradient: multipliers and divisors are folded into the hidden states as tensors;
 - what only the call shows — a trainable or non-positive softcap, a non-scalar or zero
-  operand, a head hooked or replaced after the patch, labels other than int64, a
+  operand, a head hooked or replaced after the patch (backward and process-wide module hooks
+  included), a replaced ``torch.tanh`` under a softcap, labels other than int64, a
   ``vocab_size`` other than the head's, mixed dtypes, an odd ``num_items_in_batch``, a functorch
   transform — makes the call materialise the logits (:func:`materialize`: the stock
   computation from the head call on, the decoder not run twice; :func:`_loss_refusal`).
@@ -55,7 +56,7 @@ import torch
 
 from ..errors import UnsupportedModelError
 from .architectures import DEFER, DONE, LOSS, TRANSFORM, ArchSpec
-from .head import check_head, head_operands
+from .head import check_head, head_operands, unevaluated
 from .head import fused_head_loss as _head_loss
 from .loss_mapping import functorch_active, fused_loss_refusal
 from .registry import PATCHED as _PATCHED
@@ -217,10 +218,10 @@ def _helpers(slot) -> dict:
         if options is None:  # only the patched forward calls the rewritten one
             raise RuntimeError("fused_ce_patch: rewritten forward called outside the patch")
         if head is not model.get_output_embeddings():
-            raise RuntimeError(
-                f"fused_ce_patch: {type(model).__name__} calls a head that is not "
-                f"get_output_embeddings(); cannot take the fused path"
-            )
+            # e.g. get_output_embeddings replaced on the instance: the head the forward calls
+            # is the one stock calls, so this call computes it as stock does
+            warn_stock_path(model, "the head its forward calls is not get_output_embeddings()")
+            return head(hidden)
         return DeferredLogits(model, hidden, head, options)
 
     # Looked up at call time, so a spy on this module's functions sees every call.
@@ -347,7 +348,9 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
     target = shift_labels if shift_labels is not None else labels
     if isinstance(target, torch.Tensor) and target.dtype != torch.int64:
         return f"its labels are {target.dtype}, not torch.int64"
-    weight = getattr(logits.head, "weight", None)
+    if logits.softcap is not None and torch.tanh is not torch._C._VariableFunctions.tanh:
+        return "torch.tanh (its final-logit softcap) was replaced process-wide"
+    weight = unevaluated(logits.head, "weight")  # a parametrization runs once, in the loss
     if vocab_size is not None and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
             and type(weight).__name__ != "DTensor" and int(vocab_size) != weight.shape[0]:
         return f"vocab_size {vocab_size} is not its lm_head's {weight.shape[0]} rows"
@@ -445,8 +448,11 @@ def fused_head_loss(
     if vocab_size is not None and int(vocab_size) != vocab:
         raise ValueError(f"fused_ce_patch: vocab_size {vocab_size} != lm_head rows {vocab}")
     n = num_items_in_batch
-    if isinstance(n, torch.Tensor) and n.dim() and n.numel() == 1:
-        loss = loss.reshape(n.shape)  # stock's sum / n broadcasts to n's shape, e.g. [1]
+    if isinstance(n, torch.Tensor):
+        if n.dim() and n.numel() == 1:
+            loss = loss.reshape(n.shape)  # stock's sum / n broadcasts to n's shape, e.g. [1]
+        # and takes the promoted dtype (a float64 n: float64); the value is already divided
+        loss = loss.to(torch.result_type(loss.detach(), n))
     if num_items_in_batch is None:
         # ForCausalLMLoss takes a mean: NaN when no position counts (Trainer.evaluate drops
         # such a batch; a 0.0 would be averaged in). Gradients stay 0, as stock's do.

@@ -13,7 +13,9 @@ patching) into operands of one linear map:
   linear map by concatenation, ``[h | s·drop(h)·Aᵀ] · [W | B]ᵀ``, so the adapter receives its
   gradient through the fused kernel (one extra ``[V, H + r]`` weight copy per step, no logits);
 - anything else (DoRA or other LoRA variants, other PEFT tuners, quantised or custom heads,
-  heads with forward hooks of unknown purpose) raises
+  heads whose call runs more than ``forward``: forward hooks of unknown purpose, backward
+  hooks, torch's process-wide module hooks, accelerate hooks other than device placement, an
+  overridden ``__call__``, a replaced ``nn.Linear.forward`` / ``F.linear``) raises
   :class:`~fused_ce_patch.errors.UnsupportedModelError` instead of silently training without
   the adapter.
 
@@ -104,6 +106,20 @@ def _check_no_hooks(module: nn.Module, name: str, owners: list | None = None):
     # reading its weight would silently skip them. Hooks of a wrapper that gathers the module's
     # parameters are honoured instead: with ``owners`` given, the module joins the list of
     # modules inside whose call the loss runs (see fused_head_loss).
+    everywhere = _global_hooks()
+    if everywhere:
+        raise UnsupportedModelError(
+            f"torch's process-wide module {everywhere} hooks are registered "
+            f"(torch.nn.modules.module.register_module_*_hook); they would run in {name}'s "
+            f"call, which the fused loss bypasses because it reads the weight. {_ESCAPE}"
+        )
+    backward = [*module._backward_pre_hooks.values(), *module._backward_hooks.values()]
+    if backward:
+        raise UnsupportedModelError(
+            f"{name} ({type(module).__name__}) has backward hooks, which would see the "
+            f"gradient of its output that the fused loss never forms (it reads the weight "
+            f"instead of calling the module). {_ESCAPE}"
+        )
     hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
     if hooks:
         kinds = {_gatherer(h) for h in hooks}
@@ -118,13 +134,58 @@ def _check_no_hooks(module: nn.Module, name: str, owners: list | None = None):
             )
         if not owners or owners[-1][1] is not module:
             owners.append((module, module))
-    if "forward" in module.__dict__ and not hasattr(module, "_hf_hook"):
+    if "forward" in module.__dict__:
+        if _device_placement_hook(module):  # accelerate's device map: moves, changes nothing
+            return
         if tp_head_layout(module, name) is not None:  # transformers' tensor parallelism
             return
+        hook = module.__dict__.get("_hf_hook")
+        what = f"an accelerate {type(hook).__name__} hook" if hook is not None else \
+            "a replaced forward on the instance"
         raise UnsupportedModelError(
-            f"{name} ({type(module).__name__}) has a replaced forward on the instance, which the "
-            f"fused loss would bypass. {_ESCAPE}"
+            f"{name} ({type(module).__name__}) has {what}, which the fused loss would bypass. "
+            f"{_ESCAPE}"
         )
+
+
+def _global_hooks() -> str:
+    """The kinds of torch's process-wide module hooks now registered ("" when none): they run in
+    every module's call, the head's included."""
+    from torch.nn.modules import module as m
+
+    kinds = [("forward pre-", m._global_forward_pre_hooks), ("forward", m._global_forward_hooks),
+             ("backward pre-", m._global_backward_pre_hooks),
+             ("backward", m._global_backward_hooks)]  # fmt: skip
+    return ", ".join(kind for kind, hooks in kinds if hooks)
+
+
+#: accelerate hook classes that only place tensors on devices (device maps, CPU offload):
+#: their ``pre_forward`` / ``post_forward`` move inputs, outputs and weights without changing a
+#: value. Others (e.g. ``LayerwiseCastingHook``, which casts the weight) change what the head
+#: computes. accelerate 1.x ``hooks.py``.
+_PLACEMENT_HOOKS = ("ModelHook", "AlignDevicesHook", "CpuOffload", "UserCpuOffloadHook")
+
+
+def _device_placement_hook(module: nn.Module) -> bool:
+    """Whether ``module.forward`` is accelerate's ``add_hook_to_module`` wrapper around the
+    module's own class forward with only device-placement hooks (:data:`_PLACEMENT_HOOKS`,
+    exact classes, gradients on)."""
+    hook = module.__dict__.get("_hf_hook")
+    forward = module.__dict__.get("forward")
+    inner = getattr(forward, "func", None)
+    if hook is None or getattr(inner, "__module__", None) != "accelerate.hooks" or \
+            getattr(inner, "__name__", None) != "new_forward":
+        return False
+    old = module.__dict__.get("_old_forward")
+    if getattr(old, "__func__", None) is not type(module).forward or \
+            getattr(old, "__self__", None) is not module:
+        return False
+    sequence = type(hook).__name__ == "SequentialHook" and \
+        type(hook).__module__ == "accelerate.hooks"
+    hooks = list(getattr(hook, "hooks", ())) if sequence else [hook]
+    return all(type(h).__module__ == "accelerate.hooks"
+               and type(h).__name__ in _PLACEMENT_HOOKS and not getattr(h, "no_grad", False)
+               for h in hooks)  # fmt: skip
 
 
 def tp_head_layout(module: nn.Module, name: str = "lm_head"):
@@ -185,21 +246,82 @@ def _fsdp1_class():
     return FullyShardedDataParallel
 
 
-def _plain_linear(module: nn.Module, name: str, owners=None):
-    if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
+def _plain_linear(module: nn.Module, name: str, owners=None, check_only: bool = False):
+    if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward or \
+            _own_call(module):
         raise UnsupportedModelError(
             f"{name} is a {type(module).__module__}.{type(module).__qualname__}; the fused loss "
             f"supports a plain torch.nn.Linear head (also inside PEFT modules_to_save or LoRA), "
             f"because it reads the weight instead of calling the module. {_ESCAPE}"
         )
+    replaced = _linear_replaced()
+    if replaced:
+        raise UnsupportedModelError(
+            f"{replaced} was replaced process-wide; {name}'s call would run the replacement, "
+            f"which the fused loss bypasses. {_ESCAPE}"
+        )
     _check_no_hooks(module, name, owners)
-    weight = module.weight
-    if weight.device.type == "meta":
+    # A parametrized weight (torch.nn.utils.parametrize) is computed on every read, and some
+    # parametrizations update state when read in training (spectral_norm's power iteration):
+    # the stock call reads it once, so only the read the loss uses may evaluate it.
+    weight = unevaluated(module, "weight") if check_only else module.weight
+    if weight is not None and weight.device.type == "meta":
         raise UnsupportedModelError(
             f"{name}.weight is on the meta device (offloaded by a device_map?); the fused loss "
             f"needs the materialised weight. {_ESCAPE}"
         )
+    if check_only:
+        return None, None
     return weight, module.bias
+
+
+def _own_call(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs something other than ``nn.Module``'s call machinery
+    around ``forward`` (a class that overrides ``__call__`` / ``_call_impl``, or an instance
+    attribute shadowing them)."""
+    cls = type(module)
+    return (cls.__call__ is not nn.Module.__call__ or cls._call_impl is not nn.Module._call_impl
+            or cls._wrapped_call_impl is not nn.Module._wrapped_call_impl
+            or "_call_impl" in module.__dict__ or "_wrapped_call_impl" in module.__dict__)
+
+
+def _is_torch_linear_forward(forward) -> bool:
+    code = getattr(forward, "__code__", None)
+    module = sys.modules.get("torch.nn.modules.linear")
+    return (code is not None and getattr(forward, "__qualname__", None) == "Linear.forward"
+            and code.co_filename == getattr(module, "__file__", None))
+
+
+# Recorded at import, checked by identity per call (torch.compile traces identity tests, not
+# code-object reads); one replaced before this import is caught by its origin here.
+_LINEAR_FORWARD = nn.Linear.forward
+_LINEAR_FORWARD_IS_TORCH = _is_torch_linear_forward(_LINEAR_FORWARD)
+
+
+def _linear_replaced() -> str:
+    """What ``nn.Linear``'s call computes with that was replaced process-wide ("" when none):
+    ``nn.Linear.forward`` and ``torch.nn.functional.linear`` against torch's own. DeepSpeed
+    ZeRO-3's ``zero3_linear_wrap`` (installed as ``F.linear`` by ``zero.Init``; the same
+    ``x Wᵀ + b`` with less saved for backward, DeepSpeed 0.19 ``runtime/zero/linear.py``) is
+    not a replacement of what is computed."""
+    if nn.Linear.forward is not _LINEAR_FORWARD or not _LINEAR_FORWARD_IS_TORCH:
+        return "torch.nn.Linear.forward"
+    linear = torch.nn.functional.linear
+    if linear is not torch._C._nn.linear and not (
+            getattr(linear, "__module__", None) == "deepspeed.runtime.zero.linear"
+            and getattr(linear, "__qualname__", None) == "zero3_linear_wrap"):
+        return "torch.nn.functional.linear"
+    return ""
+
+
+def unevaluated(module: nn.Module, pname: str):
+    """``module``'s tensor ``pname`` for checks (device), without running a parametrization on
+    it: the parametrized tensor's ``original`` (None where it has several, or no such
+    attribute)."""
+    parametrizations = getattr(module, "parametrizations", None)
+    if parametrizations is not None and pname in parametrizations:
+        return getattr(parametrizations[pname], "original", None)
+    return getattr(module, pname, None)
 
 
 def _active_module_to_save(wrapper):
@@ -422,7 +544,7 @@ def _resolve(head, name, hidden=None, check_only=False, owners=None):
                 f"{name} is a PEFT {type(head).__module__}.{type(head).__name__} layer; only "
                 f"plain LoRA (lora.Linear) on the head is folded into the fused loss. {_ESCAPE}"
             )
-    weight, bias = _plain_linear(head, name, owners)
+    weight, bias = _plain_linear(head, name, owners, check_only)
     if check_only:
         return None
     return hidden, weight, bias

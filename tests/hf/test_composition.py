@@ -246,7 +246,8 @@ def test_trainable_softcap_takes_the_stock_computation(spy):
 
 @pytest.mark.parametrize("n", [0, -3, 7, float("nan"), torch.tensor(0), torch.tensor(-2.0),
                                torch.tensor(float("nan")), torch.tensor(9), torch.tensor([5]),
-                               torch.tensor([[6.0]])],
+                               torch.tensor([[6.0]]), torch.tensor(7.0, dtype=torch.float64),
+                               torch.tensor([3], dtype=torch.float64)],
                          ids=lambda n: repr(n).replace(" ", ""))
 def test_num_items_in_batch_as_stock(n, spy):
     model = build_model("llama")
@@ -256,7 +257,8 @@ def test_num_items_in_batch_as_stock(n, spy):
     want = ref(**kw)
     got = model(**kw)
     assert spy.count == 1
-    assert got.loss.shape == want.loss.shape  # stock's sum / n takes a one-element n's shape
+    # stock's sum / n takes a one-element n's shape, and the promoted dtype (float64 n: float64)
+    assert got.loss.shape == want.loss.shape and got.loss.dtype == want.loss.dtype
     if torch.isfinite(want.loss):
         assert_close_rel(got.loss, want.loss, LOSS_RTOL, "loss")
     else:  # inf / NaN exactly where stock has them
