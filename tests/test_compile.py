@@ -248,13 +248,18 @@ def test_compiled_patched_model_inductor(monkeypatch):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_patched_model_compiles_without_graph_break(monkeypatch):
-    """The options reach the rewrite through the model, not a context variable: one graph."""
+@pytest.mark.parametrize("num_items", [None, torch.tensor(22), torch.tensor([7.0], dtype=torch.float64)],
+                         ids=["none", "int-tensor", "float64-[1]"])  # fmt: skip
+def test_patched_model_compiles_without_graph_break(monkeypatch, num_items):
+    """The options reach the rewrite through the model, not a context variable: one graph;
+    also with a tensor ``num_items_in_batch`` (what Trainer passes), whose quotient's dtype is
+    spelled out from constants (``torch.result_type`` breaks the graph)."""
     torch._dynamo.reset()
     ids, labels = _batch()
     model = apply_fused_ce(_tiny_llama(), backend="torch")
     spy = OpSpy(monkeypatch)
-    explained = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
+    kw = {} if num_items is None else {"num_items_in_batch": num_items}
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=labels, **kw)
     assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
     assert explained.graph_count == 1 and spy.calls >= 1
 

@@ -56,7 +56,7 @@ import torch
 
 from ..errors import UnsupportedModelError
 from .architectures import DEFER, DONE, LOSS, TRANSFORM, ArchSpec
-from .head import check_head, head_operands, unevaluated
+from .head import check_head, head_operands, parametrized
 from .head import fused_head_loss as _head_loss
 from .loss_mapping import functorch_active, fused_loss_refusal
 from .registry import PATCHED as _PATCHED
@@ -350,7 +350,9 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
         return f"its labels are {target.dtype}, not torch.int64"
     if logits.softcap is not None and torch.tanh is not torch._C._VariableFunctions.tanh:
         return "torch.tanh (its final-logit softcap) was replaced process-wide"
-    weight = unevaluated(logits.head, "weight")  # a parametrization runs once, in the loss
+    # A parametrized weight is evaluated once, by the loss (hf/head.py); its stored tensor may
+    # have another shape or dtype, so these checks are left to the loss then.
+    weight = getattr(logits.head, "weight", None) if not parametrized(logits.head) else None
     if vocab_size is not None and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
             and type(weight).__name__ != "DTensor" and int(vocab_size) != weight.shape[0]:
         return f"vocab_size {vocab_size} is not its lm_head's {weight.shape[0]} rows"
@@ -451,14 +453,25 @@ def fused_head_loss(
     if isinstance(n, torch.Tensor):
         if n.dim() and n.numel() == 1:
             loss = loss.reshape(n.shape)  # stock's sum / n broadcasts to n's shape, e.g. [1]
-        # and takes the promoted dtype (a float64 n: float64); the value is already divided
-        loss = loss.to(torch.result_type(loss.detach(), n))
+        loss = loss.to(_quotient_dtype(loss.dtype, n))
     if num_items_in_batch is None:
         # ForCausalLMLoss takes a mean: NaN when no position counts (Trainer.evaluate drops
         # such a batch; a 0.0 would be averaged in). Gradients stay 0, as stock's do.
         counted = (target[..., 1:] if shift else target) != ignore_index
         loss = loss + torch.where(counted.any(), 0.0, float("nan")).to(loss.device)
     return loss
+
+
+def _quotient_dtype(loss_dtype: torch.dtype, n: torch.Tensor) -> torch.dtype:
+    """The dtype of stock's ``sum / n`` for the 0-d floating sum and a tensor ``n`` (torch's
+    promotion: a floating ``n`` with dimensions gives its own dtype, a 0-d one the wider of
+    the two, an integer one the sum's). Spelled out from ``n.dtype`` and ``n.dim()``, which
+    torch.compile reads as constants (``torch.result_type`` breaks the graph)."""
+    if not n.is_floating_point():
+        return loss_dtype
+    if n.dim():
+        return n.dtype
+    return torch.float64 if torch.float64 in (loss_dtype, n.dtype) else loss_dtype
 
 
 def _shift_left(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:

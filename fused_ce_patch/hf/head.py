@@ -156,7 +156,22 @@ def _global_hooks() -> str:
     kinds = [("forward pre-", m._global_forward_pre_hooks), ("forward", m._global_forward_hooks),
              ("backward pre-", m._global_backward_pre_hooks),
              ("backward", m._global_backward_hooks)]  # fmt: skip
-    return ", ".join(kind for kind, hooks in kinds if hooks)
+    return ", ".join(kind for kind, hooks in kinds
+                     if any(not _tracker_hook(h) for h in hooks.values()))
+
+
+#: Modules whose process-wide module hooks only record which module runs (torch's module
+#: trackers, which FlopCounterMode, MemTracker and CommDebugMode use; their hooks return None):
+#: the fused loss keeps its path under them, so a profiled step measures what the others run.
+#: torch 2.13 ``utils/module_tracker.py``, ``distributed/_tools/mod_tracker.py``,
+#: ``distributed/tensor/debug/_comm_mode.py``.
+_TRACKER_MODULES = ("torch.utils.module_tracker", "torch.distributed._tools.mod_tracker",
+                    "torch.distributed._tools.mem_tracker",
+                    "torch.distributed.tensor.debug._comm_mode")
+
+
+def _tracker_hook(hook) -> bool:
+    return getattr(hook, "__module__", None) in _TRACKER_MODULES
 
 
 #: accelerate hook classes that only place tensors on devices (device maps, CPU offload):
@@ -264,7 +279,7 @@ def _plain_linear(module: nn.Module, name: str, owners=None, check_only: bool = 
     # A parametrized weight (torch.nn.utils.parametrize) is computed on every read, and some
     # parametrizations update state when read in training (spectral_norm's power iteration):
     # the stock call reads it once, so only the read the loss uses may evaluate it.
-    weight = unevaluated(module, "weight") if check_only else module.weight
+    weight = _unevaluated(module, "weight") if check_only else module.weight
     if weight is not None and weight.device.type == "meta":
         raise UnsupportedModelError(
             f"{name}.weight is on the meta device (offloaded by a device_map?); the fused loss "
@@ -275,14 +290,26 @@ def _plain_linear(module: nn.Module, name: str, owners=None, check_only: bool = 
     return weight, module.bias
 
 
+# nn.Module's call machinery as torch defines it, recorded at import (a replacement made
+# process-wide later would otherwise compare equal to itself).
+_MODULE_CALL = (nn.Module.__call__, nn.Module._call_impl, nn.Module._wrapped_call_impl)
+
+
 def _own_call(module: nn.Module) -> bool:
     """Whether calling ``module`` runs something other than ``nn.Module``'s call machinery
-    around ``forward`` (a class that overrides ``__call__`` / ``_call_impl``, or an instance
-    attribute shadowing them)."""
+    around ``forward``: a class (or ``nn.Module`` itself, process-wide) whose ``__call__`` /
+    ``_call_impl`` is not torch's, an instance attribute shadowing them, or a compiled call
+    (``_compiled_call_impl``) other than ``module.compile()``'s of its own ``_call_impl``."""
     cls = type(module)
-    return (cls.__call__ is not nn.Module.__call__ or cls._call_impl is not nn.Module._call_impl
-            or cls._wrapped_call_impl is not nn.Module._wrapped_call_impl
-            or "_call_impl" in module.__dict__ or "_wrapped_call_impl" in module.__dict__)
+    if (cls.__call__, cls._call_impl, cls._wrapped_call_impl) != _MODULE_CALL or \
+            "_call_impl" in module.__dict__ or "_wrapped_call_impl" in module.__dict__:
+        return True
+    compiled = module.__dict__.get("_compiled_call_impl")
+    if compiled is None:
+        return False
+    inner = getattr(compiled, "_torchdynamo_orig_callable", None)
+    return getattr(inner, "__func__", None) is not _MODULE_CALL[1] or \
+        getattr(inner, "__self__", None) is not module
 
 
 def _is_torch_linear_forward(forward) -> bool:
@@ -306,6 +333,8 @@ def _linear_replaced() -> str:
     not a replacement of what is computed."""
     if nn.Linear.forward is not _LINEAR_FORWARD or not _LINEAR_FORWARD_IS_TORCH:
         return "torch.nn.Linear.forward"
+    if getattr(sys.modules.get("torch.nn.modules.linear"), "F", None) is not torch.nn.functional:
+        return "torch.nn.modules.linear.F (what nn.Linear.forward calls)"
     linear = torch.nn.functional.linear
     if linear is not torch._C._nn.linear and not (
             getattr(linear, "__module__", None) == "deepspeed.runtime.zero.linear"
@@ -314,13 +343,18 @@ def _linear_replaced() -> str:
     return ""
 
 
-def unevaluated(module: nn.Module, pname: str):
-    """``module``'s tensor ``pname`` for checks (device), without running a parametrization on
-    it: the parametrized tensor's ``original`` (None where it has several, or no such
-    attribute)."""
+def parametrized(module: nn.Module, pname: str = "weight") -> bool:
+    """Whether ``module.pname`` is computed by a ``torch.nn.utils.parametrize`` parametrization
+    on each read."""
     parametrizations = getattr(module, "parametrizations", None)
-    if parametrizations is not None and pname in parametrizations:
-        return getattr(parametrizations[pname], "original", None)
+    return parametrizations is not None and pname in parametrizations
+
+
+def _unevaluated(module: nn.Module, pname: str):
+    """``module``'s tensor ``pname`` for the device check, without running a parametrization
+    on it: the parametrized tensor's ``original`` (None where it has several)."""
+    if parametrized(module, pname):
+        return getattr(module.parametrizations[pname], "original", None)
     return getattr(module, pname, None)
 
 

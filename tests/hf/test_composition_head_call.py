@@ -196,3 +196,87 @@ def test_get_output_embeddings_replaced_on_the_instance_runs_as_stock(spy):
         m.get_output_embeddings = lambda: None
     with pytest.warns(RuntimeWarning, match="not get_output_embeddings"):
         compare_with_stock(model, ref, batch(), False, spy)
+
+
+def test_module_call_replaced_process_wide_runs_as_stock(spy, monkeypatch):
+    """``nn.Module.__call__`` itself replaced (a wrapper that doubles the heads' outputs):
+    compared with what torch defined at import, not with itself."""
+    model = build_model("llama")
+    ref = reference_copy(model)
+    apply_fused_ce(model, backend="torch")
+    heads = (model.lm_head, ref.lm_head)
+    real = nn.Module.__call__
+
+    def call(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        return out * 2.0 if any(self is h for h in heads) else out
+
+    monkeypatch.setattr(nn.Module, "__call__", call)
+    with pytest.warns(RuntimeWarning, match="Linear"):
+        compare_with_stock(model, ref, batch(), False, spy)
+
+
+def test_foreign_compiled_call_and_rebound_linear_module_f_run_as_stock(spy, monkeypatch):
+    """Two other ways the head's call computes something else: an instance
+    ``_compiled_call_impl`` that is not ``module.compile()``'s, and the ``F`` that
+    ``nn.Linear.forward`` calls rebound in its module."""
+    import types
+
+    from torch.nn.modules import linear as linear_module
+
+    model = build_model("llama")
+    ref = reference_copy(model)
+    apply_fused_ce(model, backend="torch")
+    for m in (model, ref):
+        head = m.lm_head
+        m.lm_head._compiled_call_impl = lambda *a, _h=head, **k: 2.0 * _h._call_impl(*a, **k)
+    with pytest.warns(RuntimeWarning, match="Linear"):
+        compare_with_stock(model, ref, batch(), False, spy)
+    model = build_model("llama")
+    ref = reference_copy(model)
+    apply_fused_ce(model, backend="torch")
+    doubled = types.SimpleNamespace(linear=lambda x, w, b=None: 2.0 * F.linear(x, w, b))
+    monkeypatch.setattr(linear_module, "F", doubled)
+    with pytest.warns(RuntimeWarning, match="torch.nn.modules.linear.F"):
+        compare_with_stock(model, ref, batch(), False, spy)
+
+
+def test_module_compile_of_the_head_keeps_the_fused_path(spy):
+    """``lm_head.compile()`` compiles the head's own call: not a replacement."""
+    model = build_model("llama")
+    ref = reference_copy(model)
+    model.lm_head.compile(backend="eager")
+    apply_fused_ce(model, backend="torch")
+    compare_with_stock(model, ref, batch(), True, spy)
+
+
+def test_module_trackers_keep_the_fused_path(spy):
+    """torch's module trackers (FlopCounterMode, MemTracker, CommDebugMode) register
+    process-wide hooks that only record which module runs: a profiled step keeps the fused
+    path, so it measures what the others run."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = build_model("llama")
+    ref = reference_copy(model)
+    apply_fused_ce(model, backend="torch")
+    with FlopCounterMode(display=False):
+        compare_with_stock(model, ref, batch(), True, spy)
+
+
+def test_parametrization_storing_another_shape_keeps_the_fused_path(spy):
+    """A parametrization whose stored tensor is the weight transposed: the checks before the
+    loss do not read it as the weight (vocab_size against its rows); the loss evaluates it."""
+    import torch.nn.utils.parametrize as parametrize
+
+    class Transposed(nn.Module):
+        def forward(self, stored):
+            return stored.t()
+
+        def right_inverse(self, weight):
+            return weight.t()
+
+    model = build_model("llama")
+    parametrize.register_parametrization(model.lm_head, "weight", Transposed())
+    ref = reference_copy(model)
+    apply_fused_ce(model, backend="torch")
+    compare_with_stock(model, ref, batch(), True, spy)
