@@ -58,6 +58,7 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from ..loss import fused_linear_cross_entropy
 from ..vocab_parallel import dtensor_vocab_shard, vocab_parallel_linear_cross_entropy
+from .loss_mapping import defined_in
 
 _ESCAPE = (
     "Train this model without the fused loss (apply_fused_ce(model, return_logits=True)), or "
@@ -312,17 +313,11 @@ def _own_call(module: nn.Module) -> bool:
         getattr(inner, "__self__", None) is not module
 
 
-def _is_torch_linear_forward(forward) -> bool:
-    code = getattr(forward, "__code__", None)
-    module = sys.modules.get("torch.nn.modules.linear")
-    return (code is not None and getattr(forward, "__qualname__", None) == "Linear.forward"
-            and code.co_filename == getattr(module, "__file__", None))
-
-
 # Recorded at import, checked by identity per call (torch.compile traces identity tests, not
 # code-object reads); one replaced before this import is caught by its origin here.
 _LINEAR_FORWARD = nn.Linear.forward
-_LINEAR_FORWARD_IS_TORCH = _is_torch_linear_forward(_LINEAR_FORWARD)
+_LINEAR_FORWARD_IS_TORCH = defined_in(_LINEAR_FORWARD, "torch.nn.modules.linear",
+                                       "Linear.forward")
 
 
 def _linear_replaced() -> str:

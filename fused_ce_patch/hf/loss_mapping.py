@@ -231,7 +231,7 @@ def proven_causal_lm_loss():
         candidates = (loss_utils.LOSS_MAPPING.get("ForCausalLM"), loss_utils.ForCausalLMLoss,
                       *loss_utils.LOSS_MAPPING.values())
         found = next((fn for fn in candidates
-                      if _defined_in(fn, loss_utils.__name__, "ForCausalLMLoss")), None)
+                      if defined_in(fn, loss_utils.__name__, "ForCausalLMLoss")), None)
         if found is None:
             return _NOT_FOUND
         _PROVEN.append(found)
@@ -257,7 +257,7 @@ def functorch_active() -> bool:
     return peek is not None and peek() is not None
 
 
-def _defined_in(fn, module_name: str, qualname: str) -> bool:
+def defined_in(fn, module_name: str, qualname: str) -> bool:
     """``fn`` is the function ``module_name.qualname`` as that module's source defines it (not
     a replacement, not a ``functools.wraps`` wrapper defined elsewhere)."""
     module = sys.modules.get(module_name)
@@ -272,7 +272,7 @@ _ORIGINALS: dict = {}
 
 def capture_originals() -> None:
     """Record transformers' ``fixed_cross_entropy`` and torch's ``F.cross_entropy`` as found, if
-    they are the originals (by origin, :func:`_defined_in`), and the proven ``ForCausalLMLoss``.
+    they are the originals (by origin, :func:`defined_in`), and the proven ``ForCausalLMLoss``.
 
     Called eagerly when a patch is applied: reading a function's code object is not something
     ``torch.compile`` traces, so the per-call check (:func:`stock_cross_entropy_refusal`) is by
@@ -284,9 +284,9 @@ def capture_originals() -> None:
     proven_causal_lm_loss()
     fixed = loss_utils.fixed_cross_entropy
     _ORIGINALS["fixed_cross_entropy"] = (
-        fixed if _defined_in(fixed, loss_utils.__name__, "fixed_cross_entropy") else _NOT_FOUND)
+        fixed if defined_in(fixed, loss_utils.__name__, "fixed_cross_entropy") else _NOT_FOUND)
     _ORIGINALS["cross_entropy"] = (
-        F.cross_entropy if _defined_in(F.cross_entropy, F.__name__, "cross_entropy")
+        F.cross_entropy if defined_in(F.cross_entropy, F.__name__, "cross_entropy")
         else _NOT_FOUND)
 
 
