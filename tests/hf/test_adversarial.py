@@ -116,6 +116,15 @@ def test_fixed_cross_entropy_replaced(when, monkeypatch):
     _assert_as_stock(ref, model, batch())
 
 
+@_xfail("SILENT (documented in docs/limits.md): a loss function changed in place, its "
+        "__code__ reassigned, is not seen; the per-call checks compare functions by identity")
+def test_fixed_cross_entropy_code_replaced_in_place(monkeypatch):
+    ref, model = _pair()
+    apply_fused_ce(model)
+    monkeypatch.setattr(loss_utils.fixed_cross_entropy, "__code__", _smoothed_fixed_ce.__code__)
+    _assert_as_stock(ref, model, batch())
+
+
 @pytest.mark.parametrize("when", ["after_patch", "before_patch_proof_memoised"])
 def test_functional_cross_entropy_replaced(when, monkeypatch):
     original = nn.functional.cross_entropy
