@@ -5,8 +5,9 @@ how much memory does it take beyond its inputs and the gradients themselves, and
 are the loss and gradients to a float32 reference?
 
 Implementations (each skipped with a printed reason where it cannot run):
-    ours-chunked     fused_linear_cross_entropy(backend="triton") at the default budget
-    ours-chunked-232 the chunked path at a fixed 232 MiB budget (shapes whose default is larger)
+    ours-chunked     fused_linear_cross_entropy(backend="triton") at the default budget (the
+                     speed policy: backends.triton.default_budget)
+    ours-256mib      logits_budget=256 MiB, the documented memory-first setting
     ours-zero        logits_budget=0 (no logits in device memory)
     ours-zero-tiled  logits_budget=0 with the in-place backward switched off: the tiled
                      kernels with float32 atomics (the zero-logits backward before 2026-12-02)
@@ -58,7 +59,7 @@ SHAPES = {
     "gemma3-270m": (32768, 640, 262144, None),
 }
 TINY = {"tiny": (64, 32, 1003, None), "tiny-softcap": (48, 24, 517, 30.0)}
-IMPLS = ["ours-chunked", "ours-chunked-232", "ours-zero", "ours-zero-tiled", "torch-naive",
+IMPLS = ["ours-chunked", "ours-256mib", "ours-zero", "ours-zero-tiled", "torch-naive",
          "torch-compile", "liger", "cce", "cce-exact", "cce-compile", "trl-head",
          "cublas-3gemm"]  # fmt: skip
 MiB = 2**20
@@ -98,8 +99,6 @@ def main():
         data = make_inputs(torch, n, h, v, dev)
         ref = reference(torch, data, softcap)
         for impl in impls:
-            if impl == "ours-chunked-232" and n < 16384:
-                continue
             t0 = time.time()
             try:
                 fn = build(torch, impl, softcap, dev)
@@ -163,11 +162,10 @@ def build(torch, impl, softcap, dev):
 
     if impl.startswith("ours"):
         from fused_ce_patch import fused_linear_cross_entropy
-        from fused_ce_patch.backends.triton import DEFAULT_BUDGET
 
         from fused_ce_patch.backends.triton import zero_logits_inplace
 
-        budget = {"ours-chunked": None, "ours-chunked-232": DEFAULT_BUDGET, "ours-zero": 0,
+        budget = {"ours-chunked": None, "ours-256mib": 256 * MiB, "ours-zero": 0,
                   "ours-zero-tiled": 0}  # fmt: skip
         b = budget[impl]
 

@@ -284,13 +284,14 @@ def row_kernel_bandwidth(torch, shape, dev, iters, tuning=""):
     """The row kernel on one chunk of the default path's size (launched as ``tuning``, a
     ``ChunkedTuning`` text), per mode: ms and GB/s of its bytes."""
     from fused_ce_patch.backends.base import LossSpec
-    from fused_ce_patch.backends.triton import default_budget
+    from fused_ce_patch.backends.triton import chunk_row_bytes, default_budget
     from fused_ce_patch.backends.triton.chunked_path import parse_tuning, plan_rows
     from fused_ce_patch.backends.triton.launch import TunedRowLaunchers
 
     n, h, v, softcap = shape
     n_valid = int(n * 0.9)
-    rows = plan_rows(n_valid, max(1, default_budget(n_valid) // (2 * v + 6 * h)))
+    per_row = chunk_row_bytes(v, h, 2)
+    rows = plan_rows(n_valid, max(1, default_budget(n_valid, v, h, 2, dev) // per_row))
     launchers = TunedRowLaunchers(parse_tuning(tuning))
     g = torch.Generator(device=dev).manual_seed(1)
     src = (torch.randn(rows, v, device=dev, generator=g) * 2).bfloat16()

@@ -5,7 +5,7 @@ chunk at TRL's own tile (``[min(M, 4096), min(V, 32768)]`` in the compute dtype)
 ``gpu_trl_head.py``'s five shapes, what does that cost in time, and what does it save?
 
 For each shape the script first compares the two budgets: the loss's default
-(``backends.triton.default_budget(M)``, the default before the policy) and the policy's
+(``backends.triton.memory_first_budget(M)``, the default before the policy) and the policy's
 (``tile_policy.logits_budget(M, V, dtype, TRL_LOGPROB, default)``, the default now). Where they
 are equal nothing changes and nothing is timed. Where they differ, it times both, in the same
 process, alternating: bf16 inputs, 10 % ignored labels, SFT (log-probs + entropy + top-1,
@@ -44,9 +44,9 @@ MiB = 2**20
 def budgets(torch, m, v, dtype):
     """``(old default, policy default)`` in bytes for ``m`` counted rows."""
     from fused_ce_patch import tile_policy
-    from fused_ce_patch.backends.triton import default_budget
+    from fused_ce_patch.backends.triton import memory_first_budget
 
-    old = default_budget(m)
+    old = memory_first_budget(m)
     return old, tile_policy.logits_budget(m, v, dtype, tile_policy.TRL_LOGPROB, old)
 
 

@@ -96,7 +96,7 @@ def main():
             record(q="row-kernel", shape=name, block_v=block_v, warps=warps, stages=stages, ms=ms)
         launch.row_kernel_config = original
         # 3. stages of one chunk at the default budget, times the number of chunks
-        rows = chunked_path.plan_rows(m, tb.default_budget(m) // (v * 2))
+        rows = chunked_path.plan_rows(m, tb.memory_first_budget(m) // (v * 2))
         chunks = math.ceil(m / rows)
         hc = hidden.detach()[:rows].contiguous()
         w = weight.detach()

@@ -13,7 +13,7 @@ OURS = "#1f5fa8"
 STYLE = {
     # fused_ce_patch
     "ours-chunked": ("fused_ce_patch (triton, default budget)", OURS),
-    "ours-chunked-232": ("fused_ce_patch (triton, fixed budget)", "#6a9fd8"),
+    "ours-256mib": ("fused_ce_patch (triton, 256 MiB memory-first)", "#6a9fd8"),
     "ours-zero": ("fused_ce_patch (triton, zero logits)", "#0b2f5c"),
     "torch": ("fused_ce_patch (chunked torch backend)", "#3d8ed6"),  # the CPU benchmark
     # stock PyTorch

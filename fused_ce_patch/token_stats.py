@@ -218,7 +218,9 @@ def fused_linear_token_stats(
 
             budget = logits_budget
             if budget is None:
-                budget = _default_budget(h, weight, replaces, default_budget(h.shape[0]))
+                speed = default_budget(h.shape[0], weight.shape[0], h.shape[1],
+                                       h.element_size(), h.device)
+                budget = _default_budget(h, weight, replaces, speed)
             out = token_stats_triton(h, weight, bias, y, transform, extras, budget, grad_hint)
         if out is None:  # also when too few rows fit the budget for the Triton chunks
             budget = logits_budget

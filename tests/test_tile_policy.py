@@ -113,17 +113,21 @@ def test_budget_never_exceeds_the_replaced_tile_or_the_default(replaced, rows, v
     assert got == min(bound, default)  # as large as allowed: big tiles where TRL's are big
 
 
-def test_large_gpu_calls_keep_the_loss_default():
-    # Llama-3 shape in TRL (8192 counted bf16 rows): TRL's 256 MiB tile exceeds the default
-    from fused_ce_patch.backends.triton import default_budget
+def test_large_gpu_calls_take_the_speed_policy_within_trls_tile():
+    # The TRL routes use the loss's default (the speed policy), capped at the replaced tile.
+    from fused_ce_patch.backends.triton import default_budget, memory_first_budget
 
-    d = default_budget(8192)
-    assert tile_policy.logits_budget(8192, 128256, torch.bfloat16, TRL_LOGPROB, d) == d
-    # Gemma-3 shape (32768 rows): the loss's 496 MiB default is capped at TRL's 256 MiB
-    d = default_budget(32768)
+    # Llama-3 shape in TRL (8192 counted bf16 rows): the policy's ~1 GiB chunk is capped at
+    # TRL's own 256 MiB tile, so the route holds no more than TRL's head did
+    d = default_budget(8192, 128256, 4096, 2)
     assert d > 256 * MiB
-    got = tile_policy.logits_budget(32768, 262144, torch.bfloat16, TRL_LOGPROB, d)
+    got = tile_policy.logits_budget(8192, 128256, torch.bfloat16, TRL_LOGPROB, d)
     assert got == 4096 * 32768 * 2
+    # a few hundred rows: the policy keeps the memory-first budget, TRL's tile caps it below
+    d = default_budget(300, 49152, 576, 2)
+    assert d == memory_first_budget(300)
+    got = tile_policy.logits_budget(300, 49152, torch.bfloat16, TRL_LOGPROB, d)
+    assert got == 300 * 32768 * 2
 
 
 # -- what the kernel allocates ------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Two algorithms, chosen by ``logits_budget``:
 
-- budget > 0 (default :func:`default_budget`): the chunked path
+- budget > 0 (default :func:`default_budget`, the speed policy): the chunked path
   (:mod:`.chunked_path`): per chunk of counted rows, logits by one cuBLAS matmul in the input
   dtype, one Triton kernel that writes the logits gradient over them, dH and dW by matmuls.
 - budget 0: the zero-logits path (:mod:`.zero_logits`): logit tiles live in registers only;
@@ -25,6 +25,7 @@ is imported only when the backend runs, so machines without it still import the 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -32,22 +33,76 @@ import torch
 from ..base import Backend, Problem
 from ..registry import register
 
-#: Default transient bytes of the chunked path per 8192 counted rows, between
-#: :data:`DEFAULT_BUDGET` and twice it, counting each chunk's logits and also its copy of the
-#: hidden rows and its ``dz @ W`` rows: the peak beyond dH and dW stays under 256 MiB up to
-#: 8192 counted rows and under 512 MiB beyond (larger chunks run the matmuls faster;
-#: BENCHMARKS.md "## GPU"). An explicit ``logits_budget`` counts the logits only.
-DEFAULT_BUDGET = 248 * 2**20
+#: The memory-first chunk size (``logits_budget=MEMORY_FIRST_BUDGET``; the default until
+#: 2026-12-04): transient bytes per 8192 counted rows, between it and twice it, counting each
+#: chunk's logits and also its copy of the hidden rows and its ``dz @ W`` rows. The peak beyond
+#: dH and dW stays under 256 MiB up to 8192 counted rows and under 512 MiB beyond. An explicit
+#: ``logits_budget`` counts the logits only.
+MEMORY_FIRST_BUDGET = 248 * 2**20
+DEFAULT_BUDGET = MEMORY_FIRST_BUDGET  # the name benchmarks and older callers use
+#: The speed policy's ceiling on a chunk's transient bytes (:func:`default_budget`): 1 GiB less
+#: room for the per-row float32 state and the allocator's rounding, so the whole call stays
+#: within 1 GiB beyond its inputs and gradients.
+SPEED_CAP = 2**30 - 32 * 2**20
+#: ... and at most this fraction of the device's memory (a 24 GiB card: 384 MiB).
+DEVICE_SHARE = 1 / 64
 #: Fewest whole rows a chunk should hold; smaller budgets run the zero-logits path.
 MIN_CHUNK_ROWS = 16
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def default_budget(n_valid: int) -> int:
-    """:data:`DEFAULT_BUDGET` per 8192 counted rows, at least it and at most twice it."""
-    per_row = DEFAULT_BUDGET / 8192
-    return int(min(2 * DEFAULT_BUDGET, max(DEFAULT_BUDGET, per_row * n_valid)))
+def memory_first_budget(n_valid: int) -> int:
+    """:data:`MEMORY_FIRST_BUDGET` per 8192 counted rows, at least it and at most twice it."""
+    per_row = MEMORY_FIRST_BUDGET / 8192
+    return int(min(2 * MEMORY_FIRST_BUDGET, max(MEMORY_FIRST_BUDGET, per_row * n_valid)))
+
+
+def chunk_row_bytes(vocab: int, hidden_size: int, itemsize: int) -> int:
+    """Transient bytes one counted row costs the default chunk: its logits, its copy of the
+    hidden row, and its float32 ``dz @ W`` row."""
+    return vocab * itemsize + hidden_size * (itemsize + 4)
+
+
+def default_budget(n_valid: int, vocab: int, hidden_size: int, itemsize: int,
+                   device: torch.device | None = None) -> int:
+    """Default chunk size of the chunked path, in transient bytes (:func:`chunk_row_bytes` a
+    counted row): the speed policy.
+
+    Larger chunks run the three matmuls faster (dW sums over a chunk's rows: a short inner
+    dimension is what slows the 256 MiB chunks, BENCHMARKS.md "Default budget policy"), so the
+    policy takes the largest chunk that keeps two promises:
+
+    - at most ``min(SPEED_CAP, DEVICE_SHARE * device memory)``: 992 MiB on an 80 GiB or larger
+      GPU, less on smaller ones;
+    - at most half the counted rows (rounded up) at once, so the call holds at most about half
+      of what a method that materialises the counted rows' logits holds (Cut Cross-Entropy's ``torch_compile``
+      implementation, the fastest exact peer measured, holds about all of them);
+
+    and never less than :func:`memory_first_budget` (the budget before this policy), so no
+    call's chunks get smaller than they were.
+
+    Args:
+        n_valid: counted rows (labels other than ``ignore_index``).
+        vocab: ``V``, rows of the lm_head weight.
+        hidden_size: ``H``.
+        itemsize: bytes per element of the inputs (2 for bf16/fp16, 4 for float32).
+        device: where the call runs; a CUDA device's total memory scales the cap.
+
+    Returns:
+        Transient bytes one chunk may hold, extras included (> 0).
+    """
+    cap = SPEED_CAP
+    if device is not None and device.type == "cuda":
+        cap = min(cap, int(_device_memory(device.index) * DEVICE_SHARE))
+    half = -(-n_valid // 2) * chunk_row_bytes(vocab, hidden_size, itemsize)  # two chunks
+    return max(memory_first_budget(n_valid), min(cap, half))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_memory(index: int | None) -> int:
+    return torch.cuda.get_device_properties(
+        torch.cuda.current_device() if index is None else index).total_memory
 
 
 class TritonBackend(Backend):
@@ -83,11 +138,12 @@ class TritonBackend(Backend):
 
             return TorchBackend().run(problem)
         budget = problem.logits_budget
-        per_row = problem.vocab_size * problem.hidden.element_size()
+        itemsize = problem.hidden.element_size()
+        per_row = problem.vocab_size * itemsize
         if budget is None:
-            budget = default_budget(problem.n_valid)
-            # the chunk's copy of its hidden rows and its float32 ``dz @ W`` rows
-            per_row += problem.hidden_size * (problem.hidden.element_size() + 4)
+            budget = default_budget(problem.n_valid, problem.vocab_size, problem.hidden_size,
+                                    itemsize, problem.hidden.device)
+            per_row = chunk_row_bytes(problem.vocab_size, problem.hidden_size, itemsize)
         from .chunked_path import tuning_from_env
 
         return run_paths(problem, budget // per_row, tuning=tuning_from_env())
