@@ -13,7 +13,7 @@ import numbers
 
 import torch
 
-from .backends.distill_chunked import DivergenceSpec, run_divergence
+from .backends.distill_chunked import BACKENDS, DivergenceSpec, run_divergence
 
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -39,6 +39,7 @@ def fused_linear_jsd(
     teacher_softcap: float | None = None,
     logits_budget: int | None = None,
     return_student_entropy: bool = False,
+    backend: str = "auto",
 ):
     """Generalized JSD of GKD between ``softmax(zs / T)`` and ``softmax(zt / T)``, with
     ``zs = student_hidden @ student_weight.T (+ student_bias)`` and ``zt`` the teacher's
@@ -87,6 +88,8 @@ def fused_linear_jsd(
         return_student_entropy: also return the student's per-position entropy (of
             ``softmax(zs / T)``), ``[N]`` / ``[B, T]`` float32, 0 at ignored positions, no
             gradient.
+        backend: ``"auto"`` (a Triton row kernel on CUDA, torch ops elsewhere: CPU, Ascend
+            NPUs, MPS), ``"torch"`` or ``"triton"``.
 
     Returns:
         The loss (0-d float32, or per-position float32 for ``"none"``; float64 when a
@@ -99,6 +102,7 @@ def fused_linear_jsd(
         ValueError: vocabulary sizes differ; hidden size and weight columns differ; leading
             shapes differ; labels shape mismatch; beta outside [0, 1]; temperature <= 0;
             unknown reduction; a bad budget or softcap.
+        BackendUnavailableError: ``backend="triton"`` where Triton cannot run.
         TypeError: non-tensor inputs, non-float dtypes, hidden/weight dtypes differ,
             non-integer labels.
 
@@ -114,6 +118,8 @@ def fused_linear_jsd(
         student_softcap=_softcap("student_softcap", student_softcap),
         teacher_softcap=_softcap("teacher_softcap", teacher_softcap),
     )
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(REDUCTIONS)}")
     _check_model("student", student_hidden, student_weight, student_bias)
@@ -162,7 +168,7 @@ def fused_linear_jsd(
     d, entropy = run_divergence(
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
         teacher_bias, valid_rows, n_valid, spec, per_row, return_student_entropy,
-        logits_budget)
+        logits_budget, backend)
 
     if per_row:
         loss = d.view(lead)

@@ -38,11 +38,12 @@ conventions (which KL is "forward", the mixture, the reductions) are TRL 1.16's
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import single_backward
+from ..errors import BackendUnavailableError, single_backward
 from .chunked import RowSource, forward_grad_safe, plan_chunks
 
 #: Default budget (bytes) of one chunk's transient logits of both models on the CPU and other
@@ -154,7 +155,7 @@ TORCH_WORK_TENSORS = 7
 
 
 class TorchDivergenceKernel:
-    """Row arithmetic of a chunk in torch ops (:func:`divergence_rows_`)."""
+    """Row arithmetic of a chunk in torch ops (:func:`divergence_rows_`); any device."""
 
     name = "torch"
 
@@ -163,8 +164,40 @@ class TorchDivergenceKernel:
         low = sum(2 for d in (s_dtype, t_dtype) if d in _LOW)  # 16-bit copies of dx for dH/dW
         return 4 * TORCH_WORK_TENSORS + low
 
-    def rows_(self, xs, xt, spec, need_s, need_t, want_entropy):
-        return divergence_rows_(xs, xt, spec, need_s, need_t, want_entropy)
+    def rows_(self, xs, xt, spec, need_s, need_t, want_entropy, row_scale, s_dtype, t_dtype):
+        """``(D, entropy, gs, gt)`` of one chunk (:func:`divergence_rows_`), the gradients
+        multiplied by ``row_scale`` (``[r]`` float32, or None)."""
+        d, ent, gs, gt = divergence_rows_(xs, xt, spec, need_s, need_t, want_entropy)
+        if row_scale is not None:
+            s = row_scale.unsqueeze(1)
+            gs = None if gs is None else gs.mul_(s)
+            gt = None if gt is None else gt.mul_(s)
+        return d, ent, gs, gt
+
+
+class TritonDivergenceKernel:
+    """Row arithmetic of a chunk in one Triton kernel
+    (:mod:`fused_ce_patch.backends.triton.distill_kernels`): float32 logits read three
+    times, gradients written once in the dtype the matmuls take."""
+
+    name = "triton"
+
+    def bytes_per_column(self, s_dtype, t_dtype) -> int:
+        low = sum(2 for d in (s_dtype, t_dtype) if d in _LOW)  # 16-bit gradient buffers
+        return 8 + low
+
+    def rows_(self, xs, xt, spec, need_s, need_t, want_entropy, row_scale, s_dtype, t_dtype):
+        from .triton.distill_kernels import divergence_rows_inplace
+
+        return divergence_rows_inplace(
+            xs, xt, spec, need_s, need_t, want_entropy, row_scale,
+            s_dtype if s_dtype in _LOW else torch.float32,
+            t_dtype if t_dtype in _LOW else torch.float32)
+
+
+#: Row kernels by name (``backend=`` of :func:`fused_ce_patch.fused_linear_jsd`).
+KERNELS = {"torch": TorchDivergenceKernel, "triton": TritonDivergenceKernel}
+BACKENDS = ("auto", *KERNELS)
 
 
 def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -276,8 +309,9 @@ def _passes(student: _Model, teacher: _Model, valid_rows, cfg: DistillConfig, ro
         ht = teacher.take(idx, dense, start, end)
         xs = _logits32(hs, student.weight, student.bias)
         xt = _logits32(ht, teacher.weight, teacher.bias)
+        rs = None if row_scale is None else row_scale[start:end]
         d, ent, gs, gt = cfg.kernel.rows_(xs, xt, cfg.spec, need_s, need_t,
-                                          ent_out is not None)
+                                          ent_out is not None, rs, hs.dtype, ht.dtype)
         del xs, xt
         if d_out is not None:
             if d_out.dim() == 0:
@@ -286,10 +320,6 @@ def _passes(student: _Model, teacher: _Model, valid_rows, cfg: DistillConfig, ro
                 d_out.index_copy_(0, idx, d.to(d_out.dtype))
         if ent_out is not None:
             ent_out.index_copy_(0, idx, ent.to(ent_out.dtype))
-        if row_scale is not None:
-            s = row_scale[start:end].unsqueeze(1)
-            gs = None if gs is None else gs.mul_(s)
-            gt = None if gt is None else gt.mul_(s)
         if gs is not None:
             student.backprop(gs, hs, idx)
         if gt is not None:
@@ -348,7 +378,7 @@ class ChunkedDivergence(torch.autograd.Function):
         if cfg.per_row:
             row_scale = grad_d.reshape(-1).float().index_select(0, valid_rows)
         else:  # float16, or a second backward through a retained graph
-            row_scale = grad_d.float().expand(valid_rows.shape[0])
+            row_scale = grad_d.float().expand(valid_rows.shape[0]).contiguous()
         _passes(student, teacher, valid_rows, cfg, row_scale, None, None, grads=True)
         return (*student.finish(None), *teacher.finish(None), None, None)
 
@@ -366,16 +396,46 @@ def default_budget(device: torch.device) -> int:
     return DEFAULT_BUDGET_CUDA if device.type == "cuda" else DEFAULT_BUDGET
 
 
-def select_kernel(device: torch.device):
-    """The row kernel for ``device``: torch everywhere for now."""
+def _triton_ok(device: torch.device) -> tuple[bool, str]:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install
+        return False, f"triton is not importable ({type(exc).__name__}: {exc})"
+    if device.type == "cuda":
+        return True, ""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return True, ""
+    return False, f"Triton runs CUDA tensors (CPU ones under TRITON_INTERPRET=1), not {device.type}"
+
+
+def select_kernel(device: torch.device, dtypes, name: str = "auto"):
+    """The row kernel for a call: ``"auto"`` takes Triton on CUDA where it imports (float64
+    calls excepted: the torch ops are as good there), torch ops elsewhere (CPU, NPU, MPS).
+
+    Raises:
+        BackendUnavailableError: ``name="triton"`` where Triton cannot run the call.
+    """
+    if name == "torch":
+        return TorchDivergenceKernel()
+    ok, why = _triton_ok(device)
+    if name == "triton":
+        if not ok:
+            raise BackendUnavailableError(f"backend='triton' cannot run this call: {why}")
+        if torch.float64 in dtypes:
+            raise BackendUnavailableError("backend='triton' does not take float64 inputs; "
+                                          "use backend='torch' or 'auto'")
+        return TritonDivergenceKernel()
+    if ok and device.type == "cuda" and torch.float64 not in dtypes:
+        return TritonDivergenceKernel()
     return TorchDivergenceKernel()
 
 
 def run_divergence(hs, ws, bs, ht, wt, bt, valid_rows, n_valid: int, spec: DivergenceSpec,
-                   per_row: bool, want_entropy: bool, logits_budget: int | None):
+                   per_row: bool, want_entropy: bool, logits_budget: int | None,
+                   backend: str = "auto"):
     """Validated call (``fused_ce_patch.distill``) → ``(D, entropy)`` of
     :class:`ChunkedDivergence`."""
-    kernel = select_kernel(hs.device)
+    kernel = select_kernel(hs.device, (hs.dtype, ht.dtype), backend)
     budget = default_budget(hs.device) if logits_budget is None else logits_budget
     rows = chunk_rows(n_valid, ws.shape[0], kernel.bytes_per_column(hs.dtype, ht.dtype), budget)
     grad_on = torch.is_grad_enabled()
