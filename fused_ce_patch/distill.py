@@ -165,28 +165,37 @@ def fused_linear_jsd(
         n_valid = int(valid_rows.shape[0])
 
     per_row = reduction == "none" and num_items_in_batch is None
+    if per_row:
+        scale = 1.0
+    elif num_items_in_batch is not None:
+        scale = _reciprocal(num_items_in_batch, device)
+    elif reduction == "batchmean":
+        scale = 1.0 / (max(n_valid, 1) if labels is not None else max(student_hidden.shape[0], 1))
+    elif reduction == "sum":
+        scale = 1.0
+    else:  # mean over TRL's [counted positions, V] elements: 0/0 = NaN when none is counted
+        count = n_valid * student_weight.shape[0]
+        scale = 1.0 / count if count else math.nan
     d, entropy = run_divergence(
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
         teacher_bias, valid_rows, n_valid, spec, per_row, return_student_entropy,
-        logits_budget, backend)
-
-    if per_row:
-        loss = d.view(lead)
-    elif num_items_in_batch is not None:
-        divisor = num_items_in_batch
-        if isinstance(divisor, torch.Tensor):
-            divisor = divisor.to(d.device)
-        loss = d / divisor
-    elif reduction == "batchmean":
-        denom = max(n_valid, 1) if labels is not None else max(student_hidden.shape[0], 1)
-        loss = d / denom
-    elif reduction == "sum":
-        loss = d
-    else:  # mean over TRL's [counted positions, V] elements: 0/0 = NaN when none is counted
-        loss = d / float(n_valid * student_weight.shape[0])
+        logits_budget, backend, scale)
+    loss = d.view(lead) if per_row else d
     if return_student_entropy:
         return loss, entropy.view(lead)
     return loss
+
+
+def _reciprocal(num_items, device):
+    """``1 / num_items_in_batch``: a Python float, or a 0-d float32 tensor on ``device`` (a
+    tensor's value is not read on the host)."""
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1:
+            raise ValueError(f"num_items_in_batch must have one element, got shape "
+                             f"{tuple(num_items.shape)}")
+        return 1.0 / num_items.to(device=device, dtype=torch.float32).reshape(())
+    v = _number("num_items_in_batch", num_items)
+    return 1.0 / v if v else math.inf
 
 
 def _number(name, value) -> float:

@@ -228,8 +228,12 @@ class DistillConfig:
     spec: DivergenceSpec
     rows: int  # counted rows per chunk
     n_valid: int
-    per_row: bool  # True: [N] divergences; False: their 0-d sum
+    per_row: bool  # True: [N] divergences; False: scale * their sum (0-d)
     want_entropy: bool
+    #: multiplier of the sum (a float, or a 0-d float32 tensor on the device); folded into
+    #: the gradient formed in forward, so that a backward with upstream gradient 1 (the
+    #: usual ``loss.backward()``) rounds each gradient once.
+    scale: float | torch.Tensor = 1.0
     need: tuple = field(default=(False,) * 6)  # hs, ws, bs, ht, wt, bt
 
 
@@ -326,11 +330,21 @@ def _passes(student: _Model, teacher: _Model, valid_rows, cfg: DistillConfig, ro
             teacher.backprop(gt, ht, idx)
 
 
+def _rows_scale(scale, n: int, device, dtype):
+    """``scale`` (float or 0-d tensor) as a ``[n]`` tensor of ``dtype`` (the row arithmetic's,
+    float32 or float64); None for the float 1."""
+    if isinstance(scale, torch.Tensor):
+        return scale.to(device=device, dtype=dtype).reshape(()).expand(n).contiguous()
+    if scale == 1.0:
+        return None
+    return torch.full((n,), scale, dtype=dtype, device=device)
+
+
 class ChunkedDivergence(torch.autograd.Function):
     """``apply(hs, ws, bs, ht, wt, bt, valid_rows, cfg)`` → ``(D, entropy)``.
 
     ``D``: ``[N]`` float32 divergences (0 at rows not in ``valid_rows``) when ``cfg.per_row``,
-    else their 0-d sum. ``entropy``: ``[N]`` float32 student entropies (0 at uncounted rows;
+    else ``cfg.scale`` times their sum (0-d). ``entropy``: ``[N]`` float32 student entropies (0 at uncounted rows;
     no gradient), or an empty tensor when not asked for.
     """
 
@@ -349,7 +363,10 @@ class ChunkedDivergence(torch.autograd.Function):
         if eager:
             student.alloc()
             teacher.alloc()
-        _passes(student, teacher, valid_rows, cfg, None, d_out, ent_out, grads=eager)
+        row_scale = _rows_scale(cfg.scale, valid_rows.shape[0], dev, acc) if eager else None
+        _passes(student, teacher, valid_rows, cfg, row_scale, d_out, ent_out, grads=eager)
+        if not cfg.per_row:
+            d_out = d_out * cfg.scale
         ctx.cfg = cfg
         ctx.eager = eager
         ctx.models = (student, teacher) if eager else None
@@ -371,14 +388,16 @@ class ChunkedDivergence(torch.autograd.Function):
             g = grad_d.item()  # a Python float: the scale is not rounded to a 16-bit dtype
             g = None if g == 1.0 else g
             return (*student.finish(g), *teacher.finish(g), None, None)
+        acc = torch.float64 if torch.float64 in (ws.dtype, wt.dtype) else torch.float32
         student = _Model(hs, ws, bs, ctx.needs_input_grad[:3])
         teacher = _Model(ht, wt, bt, ctx.needs_input_grad[3:6])
         student.alloc()
         teacher.alloc()
         if cfg.per_row:
-            row_scale = grad_d.reshape(-1).float().index_select(0, valid_rows)
+            row_scale = grad_d.reshape(-1).to(acc).index_select(0, valid_rows)
         else:  # float16, or a second backward through a retained graph
-            row_scale = grad_d.float().expand(valid_rows.shape[0]).contiguous()
+            row_scale = _rows_scale(grad_d.to(acc) * cfg.scale, valid_rows.shape[0], hs.device,
+                                    acc)
         _passes(student, teacher, valid_rows, cfg, row_scale, None, None, grads=True)
         return (*student.finish(None), *teacher.finish(None), None, None)
 
@@ -432,7 +451,7 @@ def select_kernel(device: torch.device, dtypes, name: str = "auto"):
 
 def run_divergence(hs, ws, bs, ht, wt, bt, valid_rows, n_valid: int, spec: DivergenceSpec,
                    per_row: bool, want_entropy: bool, logits_budget: int | None,
-                   backend: str = "auto"):
+                   backend: str = "auto", scale=1.0):
     """Validated call (``fused_ce_patch.distill``) → ``(D, entropy)`` of
     :class:`ChunkedDivergence`."""
     kernel = select_kernel(hs.device, (hs.dtype, ht.dtype), backend)
@@ -444,6 +463,6 @@ def run_divergence(hs, ws, bs, ht, wt, bt, valid_rows, n_valid: int, spec: Diver
         return bool(grad_on and t is not None and t.requires_grad)
 
     cfg = DistillConfig(kernel=kernel, spec=spec, rows=rows, n_valid=n_valid, per_row=per_row,
-                        want_entropy=want_entropy,
+                        want_entropy=want_entropy, scale=scale,
                         need=tuple(req(t) for t in (hs, ws, bs, ht, wt, bt)))
     return ChunkedDivergence.apply(hs, ws, bs, ht, wt, bt, valid_rows, cfg)

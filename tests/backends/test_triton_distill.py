@@ -123,3 +123,21 @@ def test_triton_refuses_float64_and_plain_cpu(monkeypatch):
     hs, ws, _, ht, wt, _, labels = _inputs()
     with pytest.raises(BackendUnavailableError, match="not cpu"):
         fused_linear_jsd(hs, ws, ht, wt, labels, backend="triton")
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_kernel_bf16_gradient_rounds_to_nearest(beta):
+    """The 16-bit gradient the kernel writes is the float32 one rounded to nearest even (a
+    truncating cast is 2**-9 off on average; flips of one ulp at ties of float32 noise are
+    all that may differ)."""
+    from fused_ce_patch.backends.distill_chunked import DivergenceSpec, divergence_rows_
+    from fused_ce_patch.backends.triton.distill_kernels import divergence_rows_inplace
+
+    g = torch.Generator().manual_seed(1)
+    xs, xt = torch.randn(5, 301, generator=g) * 3, torch.randn(5, 301, generator=g) * 3
+    spec = DivergenceSpec(beta=beta, temperature=2.0)
+    _, _, gs, gt = divergence_rows_(xs.clone(), xt.clone(), spec, True, True, False)
+    _, _, ks, kt = divergence_rows_inplace(xs.clone(), xt.clone(), spec, True, True, False,
+                                           None, torch.bfloat16, torch.bfloat16)
+    assert ks.dtype == kt.dtype == torch.bfloat16
+    assert rel(ks, gs.bfloat16()) < 2.0**-14 and rel(kt, gt.bfloat16()) < 2.0**-14

@@ -14,7 +14,9 @@ of ``BLOCK`` columns:
 
 Every element is read and written by the same program, so writing in place is safe.
 Arithmetic is float32; the softcap's ``tanh`` and slope come from
-:func:`.kernels._tanh_and_slope` (the cross-entropy kernels' own).
+:func:`.kernels._tanh_and_slope`, and the rounding to 16 bits from :func:`.kernels._cast`
+(the cross-entropy kernels' own; ``FIX_RNE`` on CPU tensors, where the interpreter's own
+cast to bfloat16 truncates).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import _tanh_and_slope
+from .kernels import _cast, _tanh_and_slope
 
 _NEG_BIG = tl.constexpr(-1.0e30)
 
@@ -48,7 +50,7 @@ def _divergence_rows_kernel(
     s_scale, s_inv_cap, s_cap, t_scale, t_inv_cap, t_cap, inv_t,
     MODE: tl.constexpr, S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr,
     NEED_S: tl.constexpr, NEED_T: tl.constexpr, WANT_ENT: tl.constexpr,
-    HAS_ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr, FIX_RNE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     xs_row = xs_ptr + row * stride_xs
@@ -143,11 +145,11 @@ def _divergence_rows_kernel(
                 dzs = (1.0 - beta) * ps * (ls - log_m - kl_a)
                 dzt = beta * pt * (lt - log_m - kl_b)
             if NEED_S:
-                tl.store(gs_row + offs, (dzs * slope_s * g).to(gs_ptr.dtype.element_ty),
-                         mask=mask)
+                gs = _cast(dzs * slope_s * g, gs_ptr.dtype.element_ty, FIX_RNE)
+                tl.store(gs_row + offs, gs, mask=mask)
             if NEED_T:
-                tl.store(gt_row + offs, (dzt * slope_t * g).to(gt_ptr.dtype.element_ty),
-                         mask=mask)
+                gt = _cast(dzt * slope_t * g, gt_ptr.dtype.element_ty, FIX_RNE)
+                tl.store(gt_row + offs, gt, mask=mask)
 
 
 def _block(n_cols: int) -> int:
@@ -195,6 +197,7 @@ def divergence_rows_inplace(xs, xt, spec, need_s: bool, need_t: bool, want_entro
             MODE=mode, S_SOFTCAP=spec.student_softcap is not None,
             T_SOFTCAP=spec.teacher_softcap is not None, NEED_S=need_s, NEED_T=need_t,
             WANT_ENT=want_entropy, HAS_ROW_SCALE=row_scale is not None, BLOCK=_block(v),
+            FIX_RNE=dev.type == "cpu",
             num_warps=8 if v >= 8192 else 4,
         )
     return d, (ent if want_entropy else None), (gs if need_s else None), (
