@@ -11,6 +11,7 @@ Tolerances (relative error of the whole tensor, ‖a−b‖/‖b‖):
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import warnings
 
@@ -21,12 +22,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fused_ce_patch
 from fused_ce_patch import fused_linear_jsd
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    try:
+HAS_TRL = importlib.util.find_spec("trl") is not None
+
+
+def _trl_gkd():
+    """TRL's GKDTrainer, imported at first use: importing trl imports triton, and a triton
+    imported before ``TRITON_INTERPRET=1`` is set breaks the interpreter tests collected
+    after this file (tests/backends/interpreted.py)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         from trl.experimental.gkd.gkd_trainer import GKDTrainer
-    except ImportError:  # pragma: no cover - trl is a test dependency here
-        GKDTrainer = None
+    return GKDTrainer
 
 LOSS_TOL = 2e-5
 GRAD_TOL = {torch.float32: 2e-5, torch.bfloat16: 2.0**-7}
@@ -174,7 +180,7 @@ def test_mean_with_nothing_counted_is_nan_like_trl():
     assert hs.grad.abs().sum() == 0 and ws.grad.abs().sum() == 0
 
 
-@pytest.mark.skipif(GKDTrainer is None, reason="trl not installed")
+@pytest.mark.skipif(not HAS_TRL, reason="trl not installed")
 @pytest.mark.parametrize("beta", BETAS)
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -189,7 +195,7 @@ def test_equals_trl_generalized_jsd(beta, temperature, reduction, ignored, num_i
     got = fused_linear_jsd(hs, ws, ht, wt, lab, beta=beta, temperature=temperature,
                            reduction=reduction, num_items_in_batch=num_items,
                            student_bias=bs, teacher_bias=bt, logits_budget=2000)
-    want = GKDTrainer.generalized_jsd_loss(_logits64(hs, ws, bs), _logits64(ht, wt, bt), lab,
+    want = _trl_gkd().generalized_jsd_loss(_logits64(hs, ws, bs), _logits64(ht, wt, bt), lab,
                                            beta=beta, temperature=temperature,
                                            reduction=reduction, num_items_in_batch=num_items)
     if reduction == "none" and num_items is None:
@@ -207,11 +213,11 @@ def test_equals_trl_generalized_jsd(beta, temperature, reduction, ignored, num_i
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13)
 
 
-@pytest.mark.skipif(GKDTrainer is None, reason="trl not installed")
+@pytest.mark.skipif(not HAS_TRL, reason="trl not installed")
 def test_float32_3d_vs_trl_differing_hidden_sizes():
     hs, ws, _, ht, wt, _, labels = _inputs(lead=(3, 5), hs_size=8, ht_size=40)
     got = fused_linear_jsd(hs, ws, ht, wt, labels, beta=0.5, logits_budget=700)
-    want = GKDTrainer.generalized_jsd_loss(_logits64(hs, ws, None), _logits64(ht, wt, None),
+    want = _trl_gkd().generalized_jsd_loss(_logits64(hs, ws, None), _logits64(ht, wt, None),
                                            labels, beta=0.5)
     assert rel(got, want) < LOSS_TOL
 
@@ -343,3 +349,25 @@ def _bad(**over):
 def test_bad_input(over, exc, match):
     with pytest.raises(exc, match=match):
         fused_linear_jsd(**_bad(**over))
+
+
+def test_auto_honours_the_backend_environment_variable(monkeypatch):
+    from fused_ce_patch.backends import distill_chunked
+    from fused_ce_patch.errors import BackendUnavailableError
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("FUSED_CE_BACKEND", raising=False)
+    assert distill_chunked.select_kernel(cpu, (torch.float32,)).name == "torch"
+    monkeypatch.setenv("FUSED_CE_BACKEND", "reference")
+    assert distill_chunked.select_kernel(cpu, (torch.float32,)).name == "torch"
+    monkeypatch.setenv("FUSED_CE_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(BackendUnavailableError):
+        fused_linear_jsd(**_bad())
+    monkeypatch.setenv("FUSED_CE_BACKEND", "cuda-please")
+    with pytest.raises(ValueError, match="FUSED_CE_BACKEND"):
+        fused_linear_jsd(**_bad())
+    monkeypatch.setenv("FUSED_CE_BACKEND", "torch")
+    assert torch.isfinite(fused_linear_jsd(**_bad()))
+    with pytest.raises(ValueError, match="unknown backend"):
+        fused_linear_jsd(**_bad(backend="cuda"))

@@ -45,6 +45,7 @@ import torch
 
 from ..errors import BackendUnavailableError, single_backward
 from .chunked import RowSource, forward_grad_safe, plan_chunks
+from .registry import ENV_VAR
 
 #: Default budget (bytes) of one chunk's transient logits of both models on the CPU and other
 #: devices without Triton (the chunked cross-entropy's CPU default).
@@ -427,13 +428,29 @@ def _triton_ok(device: torch.device) -> tuple[bool, str]:
     return False, f"Triton runs CUDA tensors (CPU ones under TRITON_INTERPRET=1), not {device.type}"
 
 
+#: The CE backends' environment variable (:data:`.registry.ENV_VAR`): read by ``"auto"`` here
+#: too, so ``FUSED_CE_BACKEND=torch`` rules Triton out for the divergence as for the loss.
+_ENV_KERNEL = {"triton": "triton", "torch": "torch", "reference": "torch", "ascend": "torch"}
+
+
 def select_kernel(device: torch.device, dtypes, name: str = "auto"):
-    """The row kernel for a call: ``"auto"`` takes Triton on CUDA where it imports (float64
-    calls excepted: the torch ops are as good there), torch ops elsewhere (CPU, NPU, MPS).
+    """The row kernel for a call: ``"auto"`` honours ``$FUSED_CE_BACKEND`` (``triton``, or
+    ``torch`` / ``reference`` / ``ascend``: the torch ops), else takes Triton on CUDA where it
+    imports (float64 calls excepted: the torch ops are as good there) and the torch ops
+    elsewhere (CPU, NPU, MPS).
 
     Raises:
-        BackendUnavailableError: ``name="triton"`` where Triton cannot run the call.
+        BackendUnavailableError: ``"triton"`` (asked for, or through the environment) where
+            Triton cannot run the call.
+        ValueError: an unknown name in ``$FUSED_CE_BACKEND``.
     """
+    if name == "auto":
+        env = os.environ.get(ENV_VAR, "").strip()
+        if env and env != "auto":
+            if env not in _ENV_KERNEL:
+                raise ValueError(f"${ENV_VAR}={env!r} is not a backend the divergence knows; "
+                                 f"valid: auto, {', '.join(_ENV_KERNEL)}")
+            name = _ENV_KERNEL[env]
     if name == "torch":
         return TorchDivergenceKernel()
     ok, why = _triton_ok(device)
