@@ -12,6 +12,7 @@ Implementations (each skipped with a printed reason where it cannot run):
                   CUDA), default budget
     ours-entropy  the same, also returning the student's per-token entropy (as TRL's does)
     ours-torch    fused_linear_jsd(backend="torch"): the torch-ops row arithmetic
+    ours@M        ours at logits_budget = M MiB (the default is 384 MiB on CUDA)
     trl-chunked   TRL's DistillationTrainer loss: trl.trainer.distillation_trainer.
                   _chunked_divergence_loss, i.e. trl.kernels.ChunkedDivergenceFunction on the
                   counted rows (it also computes the entropy)
@@ -52,11 +53,12 @@ from timing import time_ms  # noqa: E402
 
 SHAPES = {"llama3-1b<-8b": (8192, 2048, 4096, 128256)}  # name: (N, H_student, H_teacher, V)
 SMOKE = {"smoke": (48, 24, 40, 517)}
-IMPLS = ["ours", "ours-entropy", "ours-torch", "trl-chunked", "liger", "trl-gkd"]
+IMPLS = ["ours", "ours-entropy", "ours-torch", "ours@192", "ours@768", "trl-chunked", "liger",
+         "trl-gkd"]
 MiB = 2**20
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--betas", default="0.5,0.0,1.0")
@@ -65,7 +67,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     p.add_argument("--tag", default="gpu_jsd")
     p.add_argument("--smoke", action="store_true", help="CPU dry run at tiny shapes")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -102,6 +104,7 @@ def main():
             save(args, env, rows)
     print_table(rows)
     save(args, env, rows, plot=True)
+    return rows
 
 
 # -- inputs and reference -------------------------------------------------------------------
@@ -158,13 +161,17 @@ def reference(torch, data, beta):
 
 def build(torch, impl, beta, dev):
     """A function ``(hs, ws, ht, wt, labels) -> scalar loss`` for ``impl``, or None."""
-    if impl in ("ours", "ours-entropy", "ours-torch"):
+    if impl in ("ours", "ours-entropy", "ours-torch") or impl.startswith("ours@"):
         from fused_ce_patch import fused_linear_jsd
 
         backend = "torch" if impl == "ours-torch" else ("triton" if dev == "cpu" else "auto")
+        budget = int(float(impl[5:]) * MiB) if impl.startswith("ours@") else None
+        if dev == "cpu" and budget is not None:
+            budget //= 4096  # the smoke shapes: still several chunks
 
         def ours(hs, ws, ht, wt, y):
             out = fused_linear_jsd(hs, ws, ht, wt, y, beta=beta, backend=backend,
+                                   logits_budget=budget,
                                    return_student_entropy=impl == "ours-entropy")
             return out[0] if isinstance(out, tuple) else out
 

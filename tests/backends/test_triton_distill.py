@@ -141,3 +141,25 @@ def test_kernel_bf16_gradient_rounds_to_nearest(beta):
                                            None, torch.bfloat16, torch.bfloat16)
     assert ks.dtype == kt.dtype == torch.bfloat16
     assert rel(ks, gs.bfloat16()) < 2.0**-14 and rel(kt, gt.bfloat16()) < 2.0**-14
+
+
+def test_benchmark_smoke_runs(tmp_path):
+    """benchmarks/gpu_jsd.py --smoke: every CPU-capable implementation runs and agrees with
+    the float32 reference (bf16 gradients: a few 2**-9 roundings)."""
+    import importlib.util as iu
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_jsd.py"
+    spec = iu.spec_from_file_location("gpu_jsd", path)
+    bench = iu.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    impls = "ours,ours-entropy,ours-torch,ours@192"
+    if iu.find_spec("trl") is not None:
+        impls += ",trl-chunked,trl-gkd"
+    rows = bench.main(["--smoke", "--iters", "1", "--warmup", "0", "--betas", "0.5,1.0",
+                       "--impls", impls, "--out", str(tmp_path)])
+    assert rows and all("error" not in r for r in rows), rows
+    ours = [r for r in rows if r["impl"].startswith("ours")]
+    assert all(r["err_loss"] < 1e-5 and r["err_dh"] < 5e-3 and r["err_dw"] < 5e-3
+               for r in ours), ours
+    assert (tmp_path / "gpu_jsd.json").is_file()
