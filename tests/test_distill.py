@@ -309,6 +309,32 @@ def test_no_n_by_v_tensor(dtype, reduction):
     assert all(math.prod(s) < n * vocab // 8 for s in rec.shapes)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("teacher_grad", [False, True])
+def test_torch_path_live_logits_stay_within_the_budget(dtype, beta, softcap, teacher_grad):
+    """Peak bytes of live logits-shaped tensors over forward + backward are at most
+    ``logits_budget`` (the budget holds 4 rows at the options' own cost per column)."""
+    from fused_ce_patch.backends.distill_chunked import DivergenceSpec, TorchDivergenceKernel
+    from test_tile_policy import LogitsWatcher
+
+    n, h, vocab = 64, 8, 97
+    hs, ws, _, ht, wt, _, _ = _inputs(lead=(n,), hs_size=h, ht_size=h, vocab=vocab,
+                                      dtype=dtype, teacher_grad=teacher_grad, ignored=False)
+    spec = DivergenceSpec(beta=beta, student_softcap=softcap, teacher_softcap=softcap)
+    per_col = TorchDivergenceKernel().bytes_per_column(dtype, dtype, spec, teacher_grad)
+    budget = 4 * vocab * per_col
+    watcher = LogitsWatcher(h, (hs, ws, ht, wt))
+    with watcher:
+        loss = fused_linear_jsd(hs, ws, ht, wt, beta=beta, student_softcap=softcap,
+                                teacher_softcap=softcap, logits_budget=budget, backend="torch")
+        loss.backward()
+    assert watcher.largest_shape[-1] == vocab  # it saw the logits
+    assert watcher.peak <= budget, (watcher.peak, budget)
+    assert watcher.peak >= budget // 2  # and the count is not loose
+
+
 def test_the_watcher_sees_materialised_logits():
     # the check above fails for the materialised computation
     hs, ws, _, ht, wt, _, labels = _inputs(lead=(256,), hs_size=8, ht_size=8, vocab=97)

@@ -150,8 +150,9 @@ def divergence_rows_(xs, xt, spec: DivergenceSpec, need_s: bool, need_t: bool,
     return d, entropy, gs, gt
 
 
-#: float32 ``[r, V]`` tensors the torch row arithmetic holds at its peak (both models' logits,
-#: probabilities, the mixture or difference, and a temporary of the in-place updates).
+#: float32 ``[r, V]`` tensors the torch row arithmetic holds at its peak at the least (both
+#: models' logits, both probabilities, a difference, and temporaries of the in-place updates);
+#: :meth:`TorchDivergenceKernel.bytes_per_column` adds what the options cost.
 TORCH_WORK_TENSORS = 7
 
 
@@ -160,10 +161,16 @@ class TorchDivergenceKernel:
 
     name = "torch"
 
-    def bytes_per_column(self, s_dtype, t_dtype) -> int:
-        """Transient bytes per vocabulary column of one row (both models)."""
+    def bytes_per_column(self, s_dtype, t_dtype, spec: DivergenceSpec, need_t: bool) -> int:
+        """Transient bytes per vocabulary column of one row (both models), at the peak of
+        forward + backward (measured per option by tests/test_distill.py)."""
+        work = TORCH_WORK_TENSORS
+        work += 0.0 < spec.beta < 1.0  # the mixture's log
+        work += need_t  # the teacher's gradient beside the student's
+        work += (spec.student_softcap is not None) + (spec.teacher_softcap is not None)
         low = sum(2 for d in (s_dtype, t_dtype) if d in _LOW)  # 16-bit copies of dx for dH/dW
-        return 4 * TORCH_WORK_TENSORS + low
+        wide = 8 if torch.float64 in (s_dtype, t_dtype) else 4
+        return wide * work + low
 
     def rows_(self, xs, xt, spec, need_s, need_t, want_entropy, row_scale, s_dtype, t_dtype):
         """``(D, entropy, gs, gt)`` of one chunk (:func:`divergence_rows_`), the gradients
@@ -183,8 +190,9 @@ class TritonDivergenceKernel:
 
     name = "triton"
 
-    def bytes_per_column(self, s_dtype, t_dtype) -> int:
-        low = sum(2 for d in (s_dtype, t_dtype) if d in _LOW)  # 16-bit gradient buffers
+    def bytes_per_column(self, s_dtype, t_dtype, spec: DivergenceSpec, need_t: bool) -> int:
+        """Both models' float32 logits, and the 16-bit gradient buffers."""
+        low = sum(2 for d in (s_dtype, t_dtype) if d in _LOW)
         return 8 + low
 
     def rows_(self, xs, xt, spec, need_s, need_t, want_entropy, row_scale, s_dtype, t_dtype):
@@ -473,11 +481,14 @@ def run_divergence(hs, ws, bs, ht, wt, bt, valid_rows, n_valid: int, spec: Diver
     :class:`ChunkedDivergence`."""
     kernel = select_kernel(hs.device, (hs.dtype, ht.dtype), backend)
     budget = default_budget(hs.device) if logits_budget is None else logits_budget
-    rows = chunk_rows(n_valid, ws.shape[0], kernel.bytes_per_column(hs.dtype, ht.dtype), budget)
     grad_on = torch.is_grad_enabled()
 
     def req(t):
         return bool(grad_on and t is not None and t.requires_grad)
+
+    need_t = any(req(t) for t in (ht, wt, bt))
+    rows = chunk_rows(n_valid, ws.shape[0],
+                      kernel.bytes_per_column(hs.dtype, ht.dtype, spec, need_t), budget)
 
     cfg = DistillConfig(kernel=kernel, spec=spec, rows=rows, n_valid=n_valid, per_row=per_row,
                         want_entropy=want_entropy, scale=scale,
