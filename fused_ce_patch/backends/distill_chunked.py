@@ -8,10 +8,18 @@ into chunks whose transient logits of *both* models fit ``logits_budget``; per c
     dHs[rows] = dxs @ Ws ; dWs += dxs.T @ hs_c ; dbs += dxs.sum(0)     (teacher alike)
 
 Whole rows only (one row of each model at least, whatever the budget); neither ``[N, V]``
-logits tensor exists at any point. Gradients are formed in forward for scalar results
-(3 matmuls per model, as the chunked cross-entropy's eager schedule) and scaled by the
-upstream gradient in backward; per-token results (``reduction="none"``) recompute the logits
-in backward and form the gradient at each row's upstream gradient.
+logits tensor exists at any point. The row arithmetic is a :class:`TorchDivergenceKernel`
+(torch ops, any device) or a :class:`TritonDivergenceKernel`
+(:mod:`.triton.distill_kernels`, CUDA), chosen by :func:`select_kernel`.
+
+Schedules, as the chunked cross-entropy's (:mod:`.chunked`): scalar results with gradients
+form them in forward, at the reduction's scale (``1 / count``: one rounding of dH and dW when
+``loss.backward()`` brings an upstream gradient of 1; another is multiplied in backward), 3
+matmuls per model; per-token results (``reduction="none"``) and float16 inputs recompute the
+logits in backward and form the gradient at each row's upstream gradient
+(:func:`.chunked.forward_grad_safe`). dW sums the chunks in float32 and rounds once, except
+for 16-bit weights on CUDA, where cuBLAS adds each chunk into the weight-dtype gradient (no
+float32 ``[V, H]`` buffer: 1 GiB at a 128k x 2048 head).
 
 Per row, with ``z = softcap(scale * x) / T`` (``softcap(y) = c tanh(y / c)`` or identity),
 ``ls = log_softmax(z_s)``, ``lt = log_softmax(z_t)``, ``p = exp(l)``:
@@ -353,8 +361,8 @@ class ChunkedDivergence(torch.autograd.Function):
     """``apply(hs, ws, bs, ht, wt, bt, valid_rows, cfg)`` → ``(D, entropy)``.
 
     ``D``: ``[N]`` float32 divergences (0 at rows not in ``valid_rows``) when ``cfg.per_row``,
-    else ``cfg.scale`` times their sum (0-d). ``entropy``: ``[N]`` float32 student entropies (0 at uncounted rows;
-    no gradient), or an empty tensor when not asked for.
+    else ``cfg.scale`` times their sum (0-d). ``entropy``: ``[N]`` float32 student entropies
+    (0 at uncounted rows; no gradient), or an empty tensor when not asked for.
     """
 
     @staticmethod
