@@ -29,6 +29,12 @@ STYLE = {
     "cce-exact": ("Cut Cross-Entropy (exact)", "#98df8a"),
     "cce-compile": ("Cut Cross-Entropy (torch_compile)", "#17becf"),
     "trl-head": ("TRL fused LM head (log-probs)", "#9467bd"),
+    # distillation (benchmarks/gpu_jsd.py)
+    "ours": ("fused_ce_patch fused_linear_jsd (triton)", OURS),
+    "ours-entropy": ("fused_ce_patch fused_linear_jsd (+ entropy)", "#6a9fd8"),
+    "ours-torch": ("fused_ce_patch fused_linear_jsd (torch row ops)", "#3d8ed6"),
+    "trl-chunked": ("TRL ChunkedDivergenceFunction", "#9467bd"),
+    "trl-gkd": ("TRL generalized_jsd_loss (materialised)", "#8c8c8c"),
 }
 
 

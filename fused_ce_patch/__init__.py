@@ -12,6 +12,7 @@ from importlib import import_module
 from .errors import BackendUnavailableError, LogitsNotMaterializedError, UnsupportedModelError
 from .loss import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
 from . import ops  # noqa: F401 - registers the custom op the loss calls under torch.compile
+from .distill import fused_linear_jsd
 from .token_stats import ForwardGradHint, TokenStats, fused_linear_token_stats
 
 try:  # the installed distribution's version (pyproject.toml is the one source)
@@ -44,6 +45,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "FusedLinearCrossEntropyLoss",
     "fused_linear_token_stats",
+    "fused_linear_jsd",
     "TokenStats",
     "ForwardGradHint",
     "BackendUnavailableError",

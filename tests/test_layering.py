@@ -98,7 +98,8 @@ def test_benchmarks_have_no_import_cycles():
 
 @pytest.mark.parametrize("layer, forbidden", [
     ("fused_ce_patch.backends", ("fused_ce_patch.hf", "fused_ce_patch.loss",
-                                 "fused_ce_patch.token_stats", "fused_ce_patch.ops")),
+                                 "fused_ce_patch.token_stats", "fused_ce_patch.ops",
+                                 "fused_ce_patch.distill")),
     ("fused_ce_patch.hf", ("fused_ce_patch.backends",)),
 ])
 def test_layers_point_one_way(layer, forbidden):

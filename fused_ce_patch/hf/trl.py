@@ -28,8 +28,15 @@ patches (``apply_fused_ce_to_<arch>``) are not routed: they have no instance to 
 weight by. Nor is an FSDP2 head: TRL hands the kernel ``weight.full_tensor()``, a new tensor, so
 TRL's kernel runs there (DeepSpeed ZeRO-3 gathers the parameter in place and is routed).
 
-Source: trl 1.16.0 ``trainer/utils.py`` and ``kernels/chunked_logprob.py``; trl 1.10.0 and
-1.6.0 ``trainer/sft_trainer.py``.
+- trl >= 1.16: ``DistillationTrainer`` computes its generalized JSD loss through the
+  module-level ``trl.trainer.distillation_trainer._chunked_divergence_loss(student_hidden,
+  teacher_hidden, student_weight, teacher_weight, completion_mask, beta, ...)`` for
+  ``(loss, entropy_sum, n_valid)``; when the student's lm_head weight is a patched instance's,
+  :func:`~fused_ce_patch.fused_linear_jsd` computes it (the teacher detached, as TRL's kernel
+  gives it no gradient).
+
+Source: trl 1.16.0 ``trainer/utils.py``, ``kernels/chunked_logprob.py``,
+``trainer/distillation_trainer.py``; trl 1.10.0 and 1.6.0 ``trainer/sft_trainer.py``.
 """
 
 from __future__ import annotations
@@ -229,11 +236,109 @@ def _make_routed_chunked_ce(original):
     return routed
 
 
+#: ``backend=`` of fused_linear_jsd for each fused_ce_patch backend name of the patch options
+#: (the divergence has a Triton kernel and torch ops; Ascend NPUs run the torch ops).
+_JSD_BACKEND = {"auto": "auto", "triton": "triton", "torch": "torch", "reference": "torch",
+                "ascend": "torch"}
+
+
+def _compute_dtype(hidden):
+    # TRL's ChunkedDivergenceFunction projects in the autocast dtype when autocast is on,
+    # else in the hidden states' dtype (trl 1.16 kernels/chunked_divergence.py)
+    kind = hidden.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
+
+
+def _make_routed_divergence(original):
+    """Stands in for trl >= 1.16 ``distillation_trainer._chunked_divergence_loss``: the
+    generalized JSD of a patched student computed by :func:`~fused_ce_patch.fused_linear_jsd`
+    (same ``(loss, entropy_sum, n_valid)``; the teacher gets no gradient, as in TRL)."""
+    from .. import distill  # the function is read at each call (tests put a spy there)
+
+    def routed(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+               teacher_lm_head_weight, completion_mask, beta, num_items_in_batch=None,
+               student_lm_head_bias=None, teacher_lm_head_bias=None, student_logit_scale=1.0,
+               teacher_logit_scale=1.0, student_final_logit_softcapping=None,
+               teacher_final_logit_softcapping=None, temperature=1.0):
+        args = (student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+                teacher_lm_head_weight, completion_mask, beta)
+        kwargs = dict(num_items_in_batch=num_items_in_batch,
+                      student_lm_head_bias=student_lm_head_bias,
+                      teacher_lm_head_bias=teacher_lm_head_bias,
+                      student_logit_scale=student_logit_scale,
+                      teacher_logit_scale=teacher_logit_scale,
+                      student_final_logit_softcapping=student_final_logit_softcapping,
+                      teacher_final_logit_softcapping=teacher_final_logit_softcapping,
+                      temperature=temperature)
+        found = _patched_owner(student_lm_head_weight)
+        if found is None:
+            return original(*args, **kwargs)
+        why = _divergence_refusal(*args, **kwargs)
+        if why is not None:
+            _once(("jsd", why), "fused_ce_patch: TRL's distillation loss called with %s; "
+                  "TRL's own kernel runs those calls", why)
+            return original(*args, **kwargs)
+        options = found[1]
+        s_dtype = _compute_dtype(student_hidden_states)
+        t_dtype = _compute_dtype(teacher_hidden_states)
+        valid = completion_mask != 0
+        labels = torch.where(valid, 0, -100).to(torch.int64)
+        loss, entropy = distill.fused_linear_jsd(
+            student_hidden_states.to(s_dtype), student_lm_head_weight.to(s_dtype),
+            teacher_hidden_states.detach().to(t_dtype),
+            teacher_lm_head_weight.detach().to(t_dtype), labels,
+            beta=float(beta), temperature=float(temperature),
+            num_items_in_batch=num_items_in_batch, student_bias=student_lm_head_bias,
+            teacher_bias=None if teacher_lm_head_bias is None else teacher_lm_head_bias.detach(),
+            student_logit_scale=float(student_logit_scale),
+            teacher_logit_scale=float(teacher_logit_scale),
+            student_softcap=student_final_logit_softcapping,
+            teacher_softcap=teacher_final_logit_softcapping,
+            logits_budget=options.logits_budget,
+            backend=_JSD_BACKEND.get(options.backend, "auto"), return_student_entropy=True)
+        return loss, entropy.sum(), valid.sum()
+
+    routed.__wrapped__ = original
+    return routed
+
+
+def _divergence_refusal(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+                        teacher_lm_head_weight, completion_mask, beta, *, num_items_in_batch,
+                        student_lm_head_bias, teacher_lm_head_bias, student_logit_scale,
+                        teacher_logit_scale, student_final_logit_softcapping,
+                        teacher_final_logit_softcapping, temperature) -> str | None:
+    """Why a distillation call should stay with TRL's kernel (operands fused_linear_jsd
+    refuses or computes differently), or None."""
+    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
+    if dtensor is not None and any(isinstance(t, dtensor) for t in (
+            student_lm_head_weight, teacher_lm_head_weight)):
+        return "a DTensor lm_head (FSDP2)"
+    for side, cap, scale in (("student", student_final_logit_softcapping, student_logit_scale),
+                             ("teacher", teacher_final_logit_softcapping, teacher_logit_scale)):
+        unusual = _unusual(cap, scale, temperature)
+        if unusual is not None:
+            return f"{side} {unusual}"
+    try:
+        b = float(beta)
+    except (TypeError, ValueError):
+        return "a beta that is not a number"
+    if not 0.0 <= b <= 1.0:
+        return f"beta {b}"
+    for bias, hidden in ((student_lm_head_bias, student_hidden_states),
+                         (teacher_lm_head_bias, teacher_hidden_states)):
+        if bias is not None and bias.dtype != _compute_dtype(hidden):
+            return f"an lm_head bias of dtype {bias.dtype}"  # TRL adds it unrounded
+    if student_hidden_states.shape[:-1] != completion_mask.shape:
+        return "a completion mask whose shape is not the hidden states'"
+    return None
+
+
 _ABSENT = object()
 
 _TARGETS = (
     ("trl.trainer.utils", "_ChunkedLogProbFunction", _RoutedChunkedLogProb),
     ("trl.trainer.sft_trainer", "_chunked_cross_entropy_loss", _make_routed_chunked_ce),
+    ("trl.trainer.distillation_trainer", "_chunked_divergence_loss", _make_routed_divergence),
 )
 
 

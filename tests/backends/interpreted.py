@@ -17,6 +17,7 @@ MODULES = (
     "fused_ce_patch.backends.triton.zero_logits",
     "fused_ce_patch.backends.triton.stats_kernels",
     "fused_ce_patch.backends.triton.token_stats",
+    "fused_ce_patch.backends.triton.distill_kernels",
     "fused_ce_patch.backends.ascend.launch",
 )
 
