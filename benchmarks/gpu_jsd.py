@@ -190,6 +190,9 @@ def build(torch, impl, beta, dev):
 
         return gkd
     if impl == "trl-chunked":
+        from trl_head_impls import datasets_stand_in
+
+        datasets_stand_in()  # TRL's trainer module imports datasets; the GPU machine has none
         from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
         def trl(hs, ws, ht, wt, y):

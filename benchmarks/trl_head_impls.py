@@ -57,6 +57,33 @@ def _trl_utils_stand_in():
         print(f"trl.trainer.utils stand-in (no ZeRO-3 gather): {exc}", file=sys.stderr)
 
 
+def datasets_stand_in():
+    """Let TRL's trainer modules import where ``datasets`` is not installed (the GPU machine):
+    a module whose every attribute is an empty class. Only functions that never touch a
+    dataset (``distillation_trainer._chunked_divergence_loss``) may be called then."""
+    import importlib.machinery
+    import importlib.util
+    import sys
+    import types
+
+    if importlib.util.find_spec("datasets") is not None:
+        return
+
+    class StandIn(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            value = type(name, (), {})
+            setattr(self, name, value)
+            return value
+
+    module = StandIn("datasets")
+    module.__spec__ = importlib.machinery.ModuleSpec("datasets", None)
+    module.__version__ = "0.0"
+    sys.modules["datasets"] = module
+    print("datasets stand-in: TRL's trainer modules import without datasets", file=sys.stderr)
+
+
 def build(torch, impl, softcap):
     sft = ("log_probs", "entropy", "is_top1")
     grpo = impl.endswith("-grpo")

@@ -90,6 +90,8 @@ def test_jsd_vs_float64(backend, beta, softcap, teacher_grad):
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed")
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_jsd_matches_trl_chunked_divergence(beta):
+    pytest.importorskip("datasets", reason="trl's distillation_trainer imports datasets "
+                        "(benchmarks/gpu_jsd.py compares with TRL through a stand-in)")
     from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
     d = _inputs()
