@@ -309,11 +309,16 @@ def is_trl_head_forward(fn) -> bool:
 
     Recognised by code object (name and a file under a ``trl`` folder): ``add_fused_lm_head``'s
     ``_fused_forward`` (trl >= 1.15) and ``_patch_chunked_ce_lm_head``'s
-    ``_chunked_ce_forward`` (trl 1.6-1.14).
+    ``_chunked_ce_forward`` (trl 1.6-1.14), bound to the instance, or inside accelerate's
+    mixed-precision wrapper (:func:`~.registry.inside_amp_wrapper`).
     """
     # By code object: trl 1.16 wraps _fused_forward with functools.wraps(type(model).forward),
-    # which copies the class forward's __module__ and __qualname__ onto it.
-    code = getattr(getattr(fn, "__func__", None), "__code__", None)
+    # which copies the class forward's __module__ and __qualname__ onto it. accelerate's
+    # mixed-precision wrapper (bf16/fp16 Trainer, TRL's default) is looked through.
+    from .registry import inside_amp_wrapper
+
+    inner = inside_amp_wrapper(fn)
+    code = getattr(getattr(inner, "__func__", None) if inner is fn else inner, "__code__", None)
     if code is None:
         return False
     in_trl = "trl" in code.co_filename.replace("\\", "/").split("/")

@@ -142,7 +142,7 @@ def _sft_rows():
 
 def _sft(model, tmp_path, config_cls=None, callbacks=(), **extra):
     config_cls = config_cls or trl.SFTConfig
-    args = config_cls(**_common(tmp_path), **extra)
+    args = config_cls(**{**_common(tmp_path), **extra})
     trainer = trl.SFTTrainer(model=model, args=args,
                              train_dataset=datasets.Dataset.from_list(_sft_rows()),
                              processing_class=_tokenizer(), callbacks=list(callbacks))
@@ -245,9 +245,8 @@ def _dpo_rows():
             for _ in range(4)]
 
 
-def _dpo(model, ref, tmp_path, callbacks=()):
-    extra = {"max_steps": 1}
-    args = trl.DPOConfig(**{**_common(tmp_path), **extra})
+def _dpo(model, ref, tmp_path, callbacks=(), config_cls=None, **extra):
+    args = (config_cls or trl.DPOConfig)(**{**_common(tmp_path), "max_steps": 1, **extra})
     trainer = trl.DPOTrainer(model=model, ref_model=ref, args=args,
                              train_dataset=datasets.Dataset.from_list(_dpo_rows()),
                              processing_class=_tokenizer(), callbacks=list(callbacks))
@@ -270,13 +269,13 @@ def test_dpo_step_with_our_kernel(tmp_path, token_spy):
     _assert_same_logs(_history(trainer, DPO_KEYS), want, DPO_KEYS)
 
 
-def _grpo(model, tmp_path, callbacks=()):
+def _grpo(model, tmp_path, callbacks=(), config_cls=None, **more):
     def reward(completions, **kwargs):
         return [float(len(c)) for c in completions]
 
     extra = {"max_steps": 1, "num_generations": 2, "max_completion_length": 4,
              "per_device_train_batch_size": 2, "generation_batch_size": 2, "beta": 0.1}
-    args = trl.GRPOConfig(**{**_common(tmp_path), **extra})
+    args = (config_cls or trl.GRPOConfig)(**{**_common(tmp_path), **extra, **more})
     prompts = [{"prompt": "t5 t6 t7"}, {"prompt": "t8 t9"}]
     torch.manual_seed(0)  # same sampled completions in both runs
     trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args,
@@ -307,12 +306,12 @@ def test_grpo_step_with_our_kernel(tmp_path, token_spy):
     _assert_same_logs(_history(trainer, GRPO_KEYS), want, GRPO_KEYS)
 
 
-def _kto(model, ref, tmp_path, callbacks=()):
+def _kto(model, ref, tmp_path, callbacks=(), config_cls=None, **extra):
     rows = _dpo_rows()
     data = [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
             for r in rows for k in ("chosen", "rejected")]
-    args = trl.KTOConfig(**{**_common(tmp_path), "max_steps": 1,
-                            "per_device_train_batch_size": 4})
+    args = (config_cls or trl.KTOConfig)(**{**_common(tmp_path), "max_steps": 1,
+                                            "per_device_train_batch_size": 4, **extra})
     trainer = trl.KTOTrainer(model=model, ref_model=ref, args=args,
                              train_dataset=datasets.Dataset.from_list(data),
                              processing_class=_tokenizer(), callbacks=list(callbacks))
@@ -414,3 +413,65 @@ def test_trl_head_without_a_cpu_path_fails_stock_and_trains_patched(tmp_path, to
     assert token_spy.count >= 2
     losses = _history(trainer, ["loss"])["loss"]
     assert losses.numel() >= 1 and torch.isfinite(losses).all()
+
+
+# -- the flag with TRL's default precision (bf16) ----------------------------------------------
+#: bf16 autocast rounds every logit to 8 significant bits (relative 2**-8); TRL's kernel and
+#: ours tile and accumulate differently, so logged values agree to a few bf16 ulps of their
+#: size, not to float32 rounding. A loss scaled by (T-1)/T, a skipped step or a metric off by
+#: a token is still far outside this.
+BF16_TOL = 4 * 2.0 ** -8
+
+
+def _assert_close_bf16(got, want, keys):
+    for k in keys:
+        assert k in want and k in got, k
+        assert got[k].shape == want[k].shape, k
+        torch.testing.assert_close(got[k], want[k], rtol=BF16_TOL, atol=BF16_TOL, msg=k)
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "grpo"])
+def test_flag_with_bf16_trains_with_our_kernel_like_stock_bf16(kind, tmp_path, token_spy,
+                                                               caplog):
+    # TRL's configs default to bf16=True: accelerate's autocast wrapper then wraps TRL's fused
+    # head, which wraps our forward; train-begin's check must look through it (issue 38.1).
+    if kind == "sft":
+        init = build_model("llama")
+        with _stock_head():
+            want = _history(_sft(reference_copy(init), tmp_path / "s", bf16=True), SFT_KEYS)
+        with caplog.at_level("WARNING", logger="fused_ce_patch"):
+            trainer = _sft(reference_copy(init), tmp_path / "o", fused_ce_config(trl.SFTConfig),
+                           use_fused_ce=True, bf16=True)
+        keys = SFT_KEYS
+    else:
+        if not HAS_FUSED_HEAD:
+            pytest.skip(f"{kind.upper()} computes from logits before trl 1.15")
+        if not STOCK_HEAD_ON_CPU:
+            pytest.skip(f"trl {TRL}'s own kernel (reference model) has no CPU path")
+        if kind == "grpo":
+            from transformers import AutoModelForCausalLM
+
+            build_model("llama").save_pretrained(tmp_path / "init")
+
+            def load():
+                return AutoModelForCausalLM.from_pretrained(tmp_path / "init",
+                                                            dtype=torch.float32)
+
+            want = _history(_grpo(load(), tmp_path / "s", bf16=True), GRPO_KEYS)
+            with caplog.at_level("WARNING", logger="fused_ce_patch"):
+                trainer = _grpo(load(), tmp_path / "o", config_cls=fused_ce_config(
+                    trl.GRPOConfig), use_fused_ce=True, bf16=True)
+            keys = GRPO_KEYS
+        else:
+            run, cfg, keys = {"dpo": (_dpo, trl.DPOConfig, DPO_KEYS),
+                              "kto": (_kto, trl.KTOConfig, ["loss", "kl", "logps/chosen"])}[kind]
+            init = build_model("llama")
+            want = _history(run(reference_copy(init), reference_copy(init), tmp_path / "s",
+                                bf16=True), keys)
+            with caplog.at_level("WARNING", logger="fused_ce_patch"):
+                trainer = run(reference_copy(init), reference_copy(init), tmp_path / "o",
+                              config_cls=fused_ce_config(cfg), use_fused_ce=True, bf16=True)
+    assert token_spy.count > 0  # our kernel computed the steps
+    assert is_fused_ce_applied(trainer.model)
+    assert "not patched at train begin" not in caplog.text
+    _assert_close_bf16(_history(trainer, keys), want, keys)
