@@ -44,6 +44,8 @@ the ``skip_logits`` convention.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -102,6 +104,24 @@ def return_logits_from_env() -> bool:
     return os.environ.get(RETURN_LOGITS_ENV, "").strip().lower() not in _FALSY
 
 
+#: Set while a caller that may read ``outputs.logits`` runs (a Trainer subclass's own
+#: ``compute_loss`` under the flag): every patched forward in that context runs as stock.
+_STOCK_PATH: contextvars.ContextVar = contextvars.ContextVar("fused_ce_stock_path",
+                                                            default=False)
+
+
+@contextlib.contextmanager
+def stock_path():
+    """Within the block (this thread / task only), patched forwards run their stock forward:
+    real logits, the stock loss. Used by the Trainer flag around a ``compute_loss`` it cannot
+    tell is the stock one."""
+    token = _STOCK_PATH.set(True)
+    try:
+        yield
+    finally:
+        _STOCK_PATH.reset(token)
+
+
 def class_slot(stock) -> _ClassSlot:
     return _PATCHED[stock][1]
 
@@ -154,7 +174,8 @@ def patched_forward(stock, spec: ArchSpec):
         options = state.options if state is not None else slot.options
         if options is None:  # reverted: behave exactly as the stock forward
             return stock(self, *args, **kwargs)
-        if skip_logits is False or options.return_logits or return_logits_from_env():
+        if skip_logits is False or options.return_logits or return_logits_from_env() \
+                or _STOCK_PATH.get():
             return stock(self, *args, **kwargs)
         if skip_logits is None and not (self.training and torch.is_grad_enabled()):
             return stock(self, *args, **kwargs)

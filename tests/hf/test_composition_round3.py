@@ -1,0 +1,102 @@
+"""Compositions from the third adversarial pass (issue 38): Trainer subclasses under the flag,
+tensor-subclass head weights, autograd modes, accelerate's unwrap, class scope and stock's
+exception types. Each test runs stock beside the patched model and wants stock's number,
+stock's path, or a clear refusal at apply time."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+from fused_ce_patch import FusedCETrainingArguments
+from hf_helpers import LOSS_RTOL, assert_close_rel, build_model, reference_copy
+from test_trainer import ListDataset, logged_losses, make_dataset
+
+
+def _args(cls, out, **extra):
+    return cls(output_dir=str(out), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+               max_steps=2, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
+               weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, report_to=[],
+               use_cpu=True, save_strategy="no", seed=0, dataloader_num_workers=0, **extra)
+
+
+# -- 38.2: Trainer subclasses that override compute_loss, under the flag ---------------------
+
+
+class PenaltyTrainer(Trainer):
+    """Adds a penalty read from outputs.logits (a z-loss-like term)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = model(**inputs)
+        loss = out.loss + 1e-3 * out.logits.float().pow(2).mean()
+        return (loss, out) if return_outputs else loss
+
+
+class WeightedTrainer(Trainer):
+    """Pops the labels and computes its own weighted token loss from the logits."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        out = model(**inputs)
+        per_token = torch.nn.functional.cross_entropy(
+            out.logits[:, :-1].float().transpose(1, 2), labels[:, 1:], reduction="none")
+        weights = torch.linspace(0.5, 1.5, per_token.shape[-1])
+        loss = (per_token * weights).sum() / (labels[:, 1:] != -100).sum().clamp(min=1)
+        return (loss, out) if return_outputs else loss
+
+
+def _run(cls, args_cls, out, **flag):
+    trainer = cls(model=build_model("llama"),
+                  args=_args(args_cls, out, eval_strategy="steps", eval_steps=1, **flag),
+                  train_dataset=make_dataset(), eval_dataset=make_dataset())
+    trainer.train()
+    evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    return logged_losses(trainer), torch.tensor(evals), trainer.evaluate()["eval_loss"]
+
+
+@pytest.mark.parametrize("cls", [PenaltyTrainer, WeightedTrainer])
+def test_flag_with_a_compute_loss_subclass_trains_and_evaluates_as_stock(cls, tmp_path, caplog):
+    want = _run(cls, TrainingArguments, tmp_path / "s")
+    with caplog.at_level(logging.WARNING, logger="fused_ce_patch"):
+        got = _run(cls, FusedCETrainingArguments, tmp_path / "f", use_fused_ce=True)
+    assert got[1].numel() == 2  # evaluation ran at both steps (training went on)
+    assert_close_rel(got[0], want[0], LOSS_RTOL, "train losses")
+    assert_close_rel(got[1], want[1], LOSS_RTOL, "eval losses during training")
+    assert abs(got[2] - want[2]) <= LOSS_RTOL * abs(want[2])
+    said = [r for r in caplog.records if "overrides compute_loss" in r.getMessage()]
+    assert len(said) == 1 and cls.__name__ in said[0].getMessage()  # says so once
+
+
+def test_flag_with_stock_compute_loss_keeps_the_fused_path(tmp_path, spy, caplog):
+    class Plain(Trainer):  # a subclass that leaves compute_loss alone: fused, no warning
+        pass
+
+    with caplog.at_level(logging.WARNING, logger="fused_ce_patch"):
+        got = _run(Plain, FusedCETrainingArguments, tmp_path / "f", use_fused_ce=True)
+    want = _run(Plain, TrainingArguments, tmp_path / "s")
+    assert spy.count >= 2 and "overrides compute_loss" not in caplog.text
+    assert_close_rel(got[0], want[0], LOSS_RTOL, "train losses")
+
+
+def test_flag_eval_with_only_shift_labels_is_stock(tmp_path):
+    # stock computes no loss from shift_labels alone; the flag must not ask for a loss-only
+    # forward there (skip_logits=True needs labels)
+    rows = [{"input_ids": r["input_ids"], "attention_mask": r["attention_mask"],
+             "shift_labels": torch.cat([r["labels"][1:], r["labels"].new_tensor([-100])])}
+            for r in make_dataset().rows]
+    ds = ListDataset(rows)
+
+    def run(args_cls, out, **flag):
+        trainer = Trainer(model=build_model("llama"), eval_dataset=ds,
+                          args=_args(args_cls, out, remove_unused_columns=False, **flag))
+        return trainer.evaluate()
+
+    want = run(TrainingArguments, tmp_path / "s")
+    got = run(FusedCETrainingArguments, tmp_path / "f", use_fused_ce=True)
+    assert sorted(k for k in got if "runtime" not in k and "per_second" not in k) == \
+        sorted(k for k in want if "runtime" not in k and "per_second" not in k)
+    if "eval_loss" in want:
+        assert abs(got["eval_loss"] - want["eval_loss"]) <= LOSS_RTOL * abs(want["eval_loss"])
