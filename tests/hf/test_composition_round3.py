@@ -100,3 +100,68 @@ def test_flag_eval_with_only_shift_labels_is_stock(tmp_path):
         sorted(k for k in want if "runtime" not in k and "per_second" not in k)
     if "eval_loss" in want:
         assert abs(got["eval_loss"] - want["eval_loss"]) <= LOSS_RTOL * abs(want["eval_loss"])
+
+
+# -- 38.3: a head weight whose type runs its own F.linear --------------------------------------
+
+
+class FakeQuantParameter(torch.nn.Parameter):
+    """QAT-style fake quantisation: F.linear sees the weight rounded to steps of 1/16
+    (straight-through gradient); every other torch function sees the stored values."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is torch.nn.functional.linear:
+                x, w, *rest = args
+                w = w + (torch.round(w * 16) / 16 - w).detach()
+                return func(x, w, *rest, **kwargs)
+            return func(*args, **kwargs)
+
+
+def _fake_quant_head(model):
+    head = model.get_output_embeddings()
+    head.weight = FakeQuantParameter(head.weight.detach().clone() * 8)  # coarse steps matter
+
+
+def test_fake_quant_head_weight_is_refused_at_apply():
+    from fused_ce_patch import UnsupportedModelError, apply_fused_ce
+
+    model = build_model("qwen2")  # untied head
+    _fake_quant_head(model)
+    with pytest.raises(UnsupportedModelError, match="__torch_function__"):
+        apply_fused_ce(model)
+
+
+def test_fake_quant_head_weight_set_after_apply_takes_the_stock_path(spy):
+    from fused_ce_patch import apply_fused_ce
+    from hf_helpers import batch, compare_with_stock
+
+    model = apply_fused_ce(build_model("qwen2"))
+    ref = reference_copy(model)
+    _fake_quant_head(model)
+    _fake_quant_head(ref)
+    model.train()
+    ref.train()
+    with pytest.warns(RuntimeWarning, match="__torch_function__"):
+        compare_with_stock(model, ref, batch(), fused=False, spy=spy)
+
+
+def test_plain_sharded_and_library_parameters_are_not_custom():
+    from torch.distributed.tensor import DTensor
+
+    from fused_ce_patch.hf.head import custom_torch_function
+
+    w = torch.nn.Parameter(torch.zeros(2, 2))
+    assert custom_torch_function(w) == "" and custom_torch_function(w.detach()) == ""
+    assert custom_torch_function(None) == ""
+    assert DTensor.__torch_function__ is torch._C._disabled_torch_function_impl
+    try:
+        from torch.distributed.fsdp._flat_param import FlatParameter
+    except ImportError:
+        FlatParameter = None
+    if FlatParameter is not None:
+        assert FlatParameter.__torch_function__ is torch._C._disabled_torch_function_impl
+    assert custom_torch_function(FakeQuantParameter(torch.zeros(2, 2))).endswith(
+        "FakeQuantParameter")
