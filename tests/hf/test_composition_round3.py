@@ -165,3 +165,62 @@ def test_plain_sharded_and_library_parameters_are_not_custom():
         assert FlatParameter.__torch_function__ is torch._C._disabled_torch_function_impl
     assert custom_torch_function(FakeQuantParameter(torch.zeros(2, 2))).endswith(
         "FakeQuantParameter")
+
+
+# -- 38.4: apply_fused_ce_to_loss_mapping is all or nothing ------------------------------------
+
+
+def _mapping_is_stock():
+    import transformers.loss.loss_utils as loss_utils
+
+    from fused_ce_patch.hf import loss_mapping
+
+    stock = loss_mapping.original_causal_lm_loss()
+    return loss_utils.ForCausalLMLoss is stock and all(
+        fn is not loss_mapping.ForCausalLMLoss for fn in loss_utils.LOSS_MAPPING.values())
+
+
+def test_loss_mapping_opt_in_failing_part_way_rolls_back(monkeypatch):
+    import transformers.loss.loss_utils as loss_utils
+
+    from fused_ce_patch.hf import loss_mapping
+
+    real = loss_mapping._replace
+    calls = []
+
+    def fail_on_third(namespace, key, original):
+        calls.append(key)
+        if len(calls) == 3:
+            raise ModuleNotFoundError("No module named 'torchvision'")
+        real(namespace, key, original)
+
+    monkeypatch.setattr(loss_mapping, "_replace", fail_on_third)
+    with pytest.raises(RuntimeError, match="all were restored") as info:
+        loss_mapping.apply_fused_ce_to_loss_mapping()
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+    assert len(calls) == 3 and _mapping_is_stock() and not loss_mapping.loss_mapping_patched()
+    monkeypatch.setattr(loss_mapping, "_replace", real)
+    loss_mapping.apply_fused_ce_to_loss_mapping()  # a second call really applies
+    assert loss_mapping.loss_mapping_patched()
+    assert loss_utils.LOSS_MAPPING["ForCausalLM"] is loss_mapping.ForCausalLMLoss
+
+
+def test_loss_mapping_opt_in_does_not_import_lazy_modules(monkeypatch):
+    # transformers' lazy modules import a submodule to answer getattr; without an optional
+    # dependency (torchvision) that raises ModuleNotFoundError (5.17)
+    import sys
+    import types
+
+    from fused_ce_patch.hf import loss_mapping
+
+    class Lazy(types.ModuleType):
+        def __getattr__(self, name):
+            raise ModuleNotFoundError("No module named 'torchvision'")
+
+    monkeypatch.setitem(sys.modules, "transformers.zz_lazy_probe",
+                        Lazy("transformers.zz_lazy_probe"))
+    monkeypatch.setitem(sys.modules, "transformers.zz_none_probe", None)  # a failed import
+    loss_mapping.apply_fused_ce_to_loss_mapping()
+    assert loss_mapping.loss_mapping_patched()
+    loss_mapping.revert_loss_mapping()
+    assert _mapping_is_stock()
