@@ -397,10 +397,9 @@ def apply_fused_ce(
     target.__dict__[STATE_ATTR] = _InstanceState(options, slot, previous, installed, loss, target,
                                                  stock)
     _PATCHED_INSTANCES.add(target)
-    if "trl" in sys.modules:
-        from . import trl as trl_routing
+    from . import trl as trl_routing
 
-        trl_routing.install()
+    trl_routing.install()  # now, or when TRL's trainer modules are imported (any order)
     logger.info(
         "fused_ce_patch: patched %s (model_type %r, this instance only): training loss via "
         "fused linear cross-entropy, %s",

@@ -240,7 +240,36 @@ _TARGETS = (
 def install() -> None:
     """Put the routers in place in every TRL module already imported (idempotent), and watch
     every patched instance so that the originals come back when the last one is garbage
-    collected, reverted or not."""
+    collected, reverted or not.
+
+    A TRL module imported later (``apply_fused_ce`` before ``import trl``, or after it but
+    before a TRL trainer is imported: trl loads its trainer modules lazily) gets its router
+    when it is imported, through a finder on ``sys.meta_path`` that only answers for those
+    modules and is there only while a patched instance exists (:class:`_RouteOnImport`)."""
+    _install_now()
+    from . import registry
+
+    pending = [name for name, _, _ in _TARGETS if name not in sys.modules]
+    if pending and any(True for _ in registry.PATCHED_INSTANCES) and _trl_installed():
+        if _HOOK not in sys.meta_path:
+            sys.meta_path.insert(0, _HOOK)
+        _watch_patched_instances()
+    elif not pending:
+        _remove_hook()
+
+
+def _trl_installed() -> bool:
+    if "trl" in sys.modules:
+        return True
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("trl") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _install_now() -> None:
     for module_name, attr, make in _TARGETS:
         module = sys.modules.get(module_name)
         if module is None or (module_name, attr) in _ORIGINALS:
@@ -257,10 +286,62 @@ def install() -> None:
         _watch_patched_instances()
 
 
+class _InstallAfter:
+    """The loader of one TRL module, running :func:`install` once the module has executed."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        install()
+
+    def __getattr__(self, name):  # get_source, get_resource_reader, ...: the real loader's
+        return getattr(self.loader, name)
+
+
+class _RouteOnImport:
+    """``sys.meta_path`` finder for TRL's two routed modules only: finds them with the other
+    finders, then has their loader install the routers right after the module runs."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _TARGET_MODULES:
+            return None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _InstallAfter(spec.loader)
+                return spec
+        return None
+
+    def invalidate_caches(self):
+        pass
+
+
+_HOOK = _RouteOnImport()
+_TARGET_MODULES = frozenset(name for name, _, _ in _TARGETS)
+
+
+def _remove_hook() -> None:
+    try:
+        sys.meta_path.remove(_HOOK)
+    except ValueError:
+        pass
+
+
 def release() -> None:
-    """Give TRL its exact objects back (called when no patched instance is left).
+    """Give TRL its exact objects back (called when no patched instance is left), and stop
+    watching for TRL's modules being imported.
 
     Safe to re-enter (a finalizer may run it while another call is in progress)."""
+    _remove_hook()
     for key in list(_ORIGINALS):
         original = _ORIGINALS.pop(key, _ABSENT)
         module = sys.modules.get(key[0])
@@ -290,7 +371,7 @@ def _instance_gone() -> None:
     the last ``install``)."""
     try:
         registry = sys.modules.get("fused_ce_patch.hf.registry")
-        if not _ORIGINALS or registry is None:
+        if not (_ORIGINALS or _HOOK in sys.meta_path) or registry is None:
             return
         if any(True for _ in registry.PATCHED_INSTANCES):
             _watch_patched_instances()

@@ -475,3 +475,56 @@ def test_flag_with_bf16_trains_with_our_kernel_like_stock_bf16(kind, tmp_path, t
     assert is_fused_ce_applied(trainer.model)
     assert "not patched at train begin" not in caplog.text
     _assert_close_bf16(_history(trainer, keys), want, keys)
+
+
+# -- import order (issue 38.5) ----------------------------------------------------------------
+
+_IMPORT_ORDER_SCRIPT = r"""
+import sys
+if sys.argv[1] == "after_trl":
+    import trl  # trl loads its trainer modules lazily: trl.trainer.utils is not imported yet
+    assert "trl.trainer.utils" not in sys.modules
+sys.path.insert(0, sys.argv[2])
+import torch
+from hf_helpers import build_model
+from fused_ce_patch import apply_fused_ce, revert_fused_ce
+from fused_ce_patch.hf import trl as R
+
+model = apply_fused_ce(build_model("llama"))
+from trl import SFTTrainer  # noqa: F401 - imports trl.trainer.utils now
+import trl.trainer.utils as U
+
+calls = []
+real = R.fused_linear_token_stats
+R.fused_linear_token_stats = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+h = torch.randn(3, model.config.hidden_size)
+out = U._ChunkedLogProbFunction.apply(h, model.lm_head.weight, None, torch.tensor([1, 2, 3]),
+                                      1.0, 32768, None, 1.0, ("log_probs",))
+want = torch.log_softmax(h @ model.lm_head.weight.t(), -1)[torch.arange(3), [1, 2, 3]]
+assert calls, "TRL's kernel ran, not ours"
+torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
+revert_fused_ce(model)
+assert not isinstance(U._ChunkedLogProbFunction, R._RoutedChunkedLogProb)
+assert R._HOOK not in sys.meta_path
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not HAS_FUSED_HEAD, reason="routes add_fused_lm_head's kernel (trl >= 1.15)")
+@pytest.mark.parametrize("order", ["after_trl", "before_trl"])
+def test_routing_installed_whatever_the_import_order(order, tmp_path):
+    # apply_fused_ce before TRL's trainer modules are imported (issue 38.5): their router is
+    # installed when they are imported; the import hook goes away with the last patch
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).parent
+    script = tmp_path / "order.py"
+    script.write_text(_IMPORT_ORDER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(here.parent.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), order, str(here)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
