@@ -32,8 +32,8 @@ model is the reference"):
   operand, a head hooked or replaced after the patch (backward and process-wide module hooks
   included), a replaced ``torch.tanh`` under a softcap, labels other than int64, a
   ``vocab_size`` other than the head's, mixed dtypes, an odd ``num_items_in_batch``, a functorch
-  transform — makes the call materialise the logits (:func:`materialize`: the stock
-  computation from the head call on, the decoder not run twice; :func:`_loss_refusal`).
+  transform or forward-mode AD — makes the call materialise the logits (:func:`materialize`:
+  the stock computation from the head call on, the decoder not run twice; :func:`_loss_refusal`).
 
 Otherwise the call runs the stock forward, with one warning per class and reason.
 ``skip_logits`` (the Trainer/TRL/Liger convention) overrides the mode test: ``True`` takes the
@@ -60,7 +60,7 @@ from ..errors import UnsupportedModelError
 from .architectures import DEFER, DONE, LOSS, TRANSFORM, ArchSpec
 from .head import check_head, head_operands, parametrized
 from .head import fused_head_loss as _head_loss
-from .loss_mapping import functorch_active, fused_loss_refusal
+from .loss_mapping import forward_ad_dual, functorch_active, fused_loss_refusal
 from .registry import PATCHED as _PATCHED
 from .registry import STOCK as _STOCK
 from .registry import stock_forward_of, wraps_patched
@@ -149,9 +149,11 @@ def warn_stock_path(model, reason: str) -> None:
 def patched_forward(stock, spec: ArchSpec):
     """The patched forward for the stock forward ``stock`` (one function per stock forward).
 
-    ``functools.wraps`` keeps the stock name, docstring and signature (``__wrapped__``), so
-    ``generate()`` (``logits_to_keep`` detection, kwarg validation) and Trainer (column
-    filtering, ``**kwargs`` detection for ``num_items_in_batch``) inspect what they expect.
+    ``functools.wraps`` keeps the stock name and docstring and ``__signature__`` the stock
+    signature, so ``generate()`` (``logits_to_keep`` detection, kwarg validation) and Trainer
+    (column filtering, ``**kwargs`` detection for ``num_items_in_batch``) inspect what they
+    expect; there is no ``__wrapped__`` link to the stock forward (the registry maps one to
+    the other), so unwrapping down ``__wrapped__`` chains stops at the patched forward.
     """
     if stock in _PATCHED:
         return _PATCHED[stock][0]
@@ -191,6 +193,11 @@ def patched_forward(stock, spec: ArchSpec):
             return stock(self, *args, **kwargs)
         return rewritten(self, *args, **kwargs)
 
+    # Not a __wrapped__ link to stock: accelerate's unwrap_model(keep_fp32_wrapper=False)
+    # walks __wrapped__ to the innermost function and binds that, which would drop the patch.
+    # The signature stays the stock one (generate() and Trainer inspect it).
+    del forward.__wrapped__
+    forward.__signature__ = signature
     _PATCHED[stock] = (forward, slot)
     _STOCK[forward] = stock
     return forward
@@ -388,7 +395,10 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
         return f"its num_items_in_batch is {type(n).__name__} {n!r:.40}"
     if functorch_active():
         return "a functorch transform (torch.func.grad / vmap) is active"
+    if forward_ad_dual(logits.hidden, weight, getattr(logits.head, "bias", None)):
+        return "forward-mode AD (a dual tensor) reaches its lm_head"
     return None
+
 
 
 def _loss(model, *args, **kwargs):

@@ -143,7 +143,8 @@ def chunked_causal_lm_loss(
         ValueError: labels and logits hold different numbers of positions (as stock).
     """
     target = labels if shift_labels is None else shift_labels
-    if not _chunkable(logits, target, vocab_size, ignore_index) or functorch_active():
+    if not _chunkable(logits, target, vocab_size, ignore_index) or functorch_active() \
+            or forward_ad_dual(logits):
         return _stock_loss()(
             logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
             ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,
@@ -255,6 +256,18 @@ def functorch_active() -> bool:
     functorch = getattr(torch._C, "_functorch", None)
     peek = getattr(functorch, "peek_interpreter_stack", None)
     return peek is not None and peek() is not None
+
+
+def forward_ad_dual(*tensors) -> bool:
+    """Whether a forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``) and
+    one of ``tensors`` carries a tangent there: the package's ``autograd.Function``s have no
+    ``jvp``, so the stock computation runs."""
+    from torch.autograd import forward_ad
+
+    if getattr(forward_ad, "_current_level", -1) < 0:  # no level open: nothing is dual
+        return False
+    return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
+               for t in tensors)
 
 
 def defined_in(fn, module_name: str, qualname: str) -> bool:

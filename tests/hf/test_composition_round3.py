@@ -224,3 +224,174 @@ def test_loss_mapping_opt_in_does_not_import_lazy_modules(monkeypatch):
     assert loss_mapping.loss_mapping_patched()
     loss_mapping.revert_loss_mapping()
     assert _mapping_is_stock()
+
+
+# -- 38.6: forward-mode AD and batched gradients through the training loss --------------------
+
+
+def _embeds_pair():
+    from fused_ce_patch import apply_fused_ce
+    from hf_helpers import batch
+
+    model = build_model("llama")
+    ref = reference_copy(model)
+    apply_fused_ce(model)
+    model.train()
+    ref.train()
+    kw = batch()
+    emb = model.get_input_embeddings()(kw["input_ids"]).detach()
+    return model, ref, kw, emb
+
+
+def test_forward_mode_ad_through_the_training_loss_is_stock(spy):
+    import torch.autograd.forward_ad as fwad
+
+    model, ref, kw, emb = _embeds_pair()
+    tangent = torch.randn(emb.shape, generator=torch.Generator().manual_seed(3))
+
+    def jvp(m):
+        with fwad.dual_level():
+            out = m(inputs_embeds=fwad.make_dual(emb, tangent),
+                    attention_mask=kw["attention_mask"], labels=kw["labels"])
+            primal, tan = fwad.unpack_dual(out.loss)
+            return primal.detach(), tan.detach()
+
+    want = jvp(ref)
+    with pytest.warns(RuntimeWarning, match="forward-mode AD"):
+        got = jvp(model)
+    assert spy.count == 0  # stock's computation from the head on
+    assert_close_rel(got[0], want[0], LOSS_RTOL, "loss")
+    assert_close_rel(got[1], want[1], LOSS_RTOL, "directional derivative")
+
+
+def test_batched_upstream_gradients_through_the_training_loss_match_stock(spy):
+    model, ref, kw, emb = _embeds_pair()
+    scales = torch.tensor([1.0, -2.0, 0.5])  # one upstream gradient per batch entry
+
+    def grads(m):
+        e = emb.clone().requires_grad_()
+        out = m(inputs_embeds=e, attention_mask=kw["attention_mask"], labels=kw["labels"])
+        (g,) = torch.autograd.grad(out.loss, e, scales, is_grads_batched=True)
+        return g
+
+    want = grads(ref)
+    got = grads(model)
+    assert spy.count == 1  # the fused path, its backward linear in the upstream gradient
+    assert got.shape == want.shape == (3, *emb.shape)
+    for i in range(3):
+        from hf_helpers import GRAD_RTOL
+
+        assert_close_rel(got[i], want[i], GRAD_RTOL, f"batch entry {i}")
+
+
+# -- 38.8: stock's types and non-finite semantics ----------------------------------------------
+
+
+@pytest.mark.parametrize("upstream", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_upstream_gradient_gives_stocks_nan_pattern(upstream, spy):
+    from fused_ce_patch import apply_fused_ce
+    from hf_helpers import batch
+
+    model = build_model("qwen2")  # untied head: lm_head.weight.grad is the head's alone
+    ref = reference_copy(model)
+    apply_fused_ce(model)
+    model.train()
+    ref.train()
+    kw = batch()
+    for m in (ref, model):
+        m(**kw).loss.backward(torch.tensor(upstream))
+    assert spy.count == 1
+    for name, p in ref.named_parameters():
+        got = dict(model.named_parameters())[name].grad
+        want = p.grad
+        if want is None:
+            continue
+        # NaN where stock has NaN, the same infinities where stock has them
+        assert torch.equal(got.isnan(), want.isnan()), name
+        assert torch.equal(got.isinf(), want.isinf()), name
+        assert torch.equal(got[want.isinf()], want[want.isinf()]), name
+
+
+# -- 38.7: accelerate's unwrap_model and the scope of a class patch ---------------------------
+
+
+@pytest.mark.parametrize("order", ["patch_then_prepare", "prepare_then_patch"])
+def test_unwrap_model_without_fp32_wrapper_keeps_the_patch(order, spy):
+    # Trainer's save paths call unwrap_model(model, keep_fp32_wrapper=False); accelerate walks
+    # __wrapped__ down from the prepared forward and binds what it finds
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from fused_ce_patch import apply_fused_ce
+    from fused_ce_patch.hf.patch import is_fused_ce_applied
+    from hf_helpers import batch, compare_with_stock
+
+    model = build_model("llama")
+    ref = reference_copy(model)
+    AcceleratorState._reset_state(True)  # an earlier Trainer's state would fix the precision
+    try:
+        acc = Accelerator(mixed_precision="bf16", cpu=True)
+        if order == "patch_then_prepare":
+            prepared = acc.prepare(apply_fused_ce(model))
+        else:
+            prepared = apply_fused_ce(acc.prepare(model))
+        unwrapped = acc.unwrap_model(prepared, keep_fp32_wrapper=False)
+    finally:
+        AcceleratorState._reset_state(True)
+    assert "_original_forward" not in unwrapped.__dict__  # accelerate's wrapper is gone
+    assert is_fused_ce_applied(unwrapped)
+    unwrapped.train()
+    ref.train()
+    compare_with_stock(unwrapped, ref, batch(), True, spy)  # fp32 again, fused, stock's number
+
+
+class UserLlama(__import__("transformers").LlamaForCausalLM):
+    """A user's subclass that leaves forward alone."""
+
+
+def test_class_patch_of_a_user_subclass_leaves_its_parent_stock(spy):
+    import transformers
+
+    from fused_ce_patch import apply_fused_ce_to_class, revert_fused_ce
+    from fused_ce_patch.hf.patch import is_fused_ce_applied
+    from hf_helpers import batch
+
+    parent = transformers.LlamaForCausalLM
+    stock = parent.__dict__["forward"]
+    plain = build_model("llama")
+    mine = UserLlama(plain.config)
+    mine.load_state_dict(plain.state_dict())
+    try:
+        assert apply_fused_ce_to_class(UserLlama) is UserLlama
+        assert parent.__dict__["forward"] is stock and not is_fused_ce_applied(parent)
+        assert is_fused_ce_applied(UserLlama)
+        plain.train()
+        mine.train()
+        plain(**batch())
+        assert spy.count == 0  # an unrelated LlamaForCausalLM stays stock
+        mine(**batch())
+        assert spy.count == 1
+    finally:
+        revert_fused_ce(UserLlama)
+    assert "forward" not in UserLlama.__dict__ and parent.__dict__["forward"] is stock
+    mine(**batch())
+    assert spy.count == 1
+
+
+def test_reverting_a_subclass_patch_keeps_its_parents_class_patch(spy):
+    import transformers
+
+    from fused_ce_patch import apply_fused_ce_to_class, revert_fused_ce
+    from hf_helpers import batch
+
+    parent = transformers.LlamaForCausalLM
+    plain = build_model("llama")
+    try:
+        apply_fused_ce_to_class(parent)
+        apply_fused_ce_to_class(UserLlama)
+        revert_fused_ce(UserLlama)
+        plain.train()
+        plain(**batch())
+        assert spy.count == 1  # the parent's own patch still computes
+    finally:
+        revert_fused_ce(parent)
