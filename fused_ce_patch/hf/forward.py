@@ -393,6 +393,9 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
             isinstance(n, torch.Tensor) and (n.dtype == torch.bool or n.is_complex()))
             or not isinstance(n, (numbers.Real, torch.Tensor))):
         return f"its num_items_in_batch is {type(n).__name__} {n!r:.40}"
+    if isinstance(n, torch.Tensor) and n.numel() != 1:
+        # stock divides by it anyway (a loss of n's shape, refused at backward)
+        return f"its num_items_in_batch has shape {tuple(n.shape)}, not one number"
     if functorch_active():
         return "a functorch transform (torch.func.grad / vmap) is active"
     if forward_ad_dual(logits.hidden, weight, getattr(logits.head, "bias", None)):
@@ -439,10 +442,16 @@ def fused_head_loss(
     Raises:
         ValueError: neither labels nor shift_labels; labels that do not match the kept hidden
             states; ``vocab_size`` other than the head's rows; a label outside ``[0, V)``.
+        TypeError: labels or shift_labels not a tensor (a list, a numpy array), as stock.
     """
     hidden = logits.hidden
     if labels is None and shift_labels is None:
         raise ValueError("fused_ce_patch: the loss needs labels or shift_labels")
+    for name, value in (("labels", labels), ("shift_labels", shift_labels)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            # stock's loss raises TypeError too (F.pad / F.cross_entropy on a non-tensor)
+            raise TypeError(f"fused_ce_patch: {name} must be a torch.Tensor, got "
+                            f"{type(value).__module__}.{type(value).__qualname__}")
     if shift_labels is not None:  # already shifted by the caller: never shift again
         target, shift = shift_labels, False
     else:
@@ -480,6 +489,10 @@ def fused_head_loss(
     )
     if vocab_size is not None and int(vocab_size) != vocab:
         raise ValueError(f"fused_ce_patch: vocab_size {vocab_size} != lm_head rows {vocab}")
+    if loss.dtype != torch.float32:
+        # ForCausalLMLoss computes from logits.float(): a float32 loss for every model dtype
+        # (float64 included; the fused loss kept float64 arithmetic, rounded here)
+        loss = loss.float()
     n = num_items_in_batch
     if isinstance(n, torch.Tensor):
         if n.dim() and n.numel() == 1:

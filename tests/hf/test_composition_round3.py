@@ -395,3 +395,59 @@ def test_reverting_a_subclass_patch_keeps_its_parents_class_patch(spy):
         assert spy.count == 1  # the parent's own patch still computes
     finally:
         revert_fused_ce(parent)
+
+
+def _patched_pair(dtype=torch.float32):
+    from fused_ce_patch import apply_fused_ce
+
+    model = build_model("llama").to(dtype)
+    ref = reference_copy(model)
+    apply_fused_ce(model)
+    model.train()
+    ref.train()
+    return model, ref
+
+
+@pytest.mark.parametrize("kind", ["list", "numpy"])
+def test_labels_that_are_not_tensors_raise_stocks_type_error(kind):
+    from hf_helpers import batch
+
+    model, ref = _patched_pair()
+    kw = batch()
+    labels = kw.pop("labels")
+    labels = labels.tolist() if kind == "list" else labels.numpy()
+    with pytest.raises(Exception) as stock:
+        ref(**kw, labels=labels)
+    with pytest.raises(type(stock.value), match="labels must be a torch.Tensor"):
+        model(**kw, labels=labels)
+
+
+def test_float64_model_training_loss_is_float32_as_stock(spy):
+    from hf_helpers import batch
+
+    model, ref = _patched_pair(torch.float64)
+    want, got = ref(**batch()).loss, model(**batch()).loss
+    assert spy.count == 1
+    assert got.dtype == want.dtype == torch.float32
+    # stock rounds the float64 logits to float32 first; the fused loss rounds once at the end
+    assert_close_rel(got.double(), want.double(), LOSS_RTOL, "loss")
+    got.backward()
+    want.backward()
+    from hf_helpers import assert_grads_close
+
+    assert_grads_close(model, ref)
+
+
+def test_num_items_in_batch_with_two_elements_fails_where_stock_fails(spy):
+    from hf_helpers import batch
+
+    model, ref = _patched_pair()
+    n = torch.tensor([10, 12])
+    want = ref(**batch(), num_items_in_batch=n).loss
+    got = model(**batch(), num_items_in_batch=n).loss
+    assert spy.count == 0 and got.shape == want.shape == (2,)  # stock's path, stock's loss
+    assert_close_rel(got, want, LOSS_RTOL, "loss")
+    with pytest.raises(RuntimeError) as stock:
+        want.backward()
+    with pytest.raises(type(stock.value)):
+        got.backward()
