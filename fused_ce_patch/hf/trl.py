@@ -87,6 +87,13 @@ def _patched_owner(weight):
         except Exception:  # noqa: BLE001 - a model without a head is simply not ours
             continue
         if head is not None and getattr(head, "weight", None) is weight:
+            from .head import custom_torch_function
+
+            if custom_torch_function(weight):  # fake-quant / QAT weight: TRL's kernel, as stock
+                _once(("custom", type(weight)), "fused_ce_patch: the lm_head weight is a %s "
+                      "with its own __torch_function__; TRL's own kernel runs those calls",
+                      type(weight).__qualname__)
+                return None
             return model, state.options
     if registry.PATCHED_CLASSES:
         _once("class", "fused_ce_patch: a class-level patch does not reach TRL's fused LM head; "
@@ -297,7 +304,10 @@ class _InstallAfter:
 
     def exec_module(self, module):
         self.loader.exec_module(module)
-        install()
+        from . import registry
+
+        if any(True for _ in registry.PATCHED_INSTANCES):  # e.g. not on a reload after release
+            install()
 
     def __getattr__(self, name):  # get_source, get_resource_reader, ...: the real loader's
         return getattr(self.loader, name)
