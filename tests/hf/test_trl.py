@@ -430,18 +430,20 @@ def _assert_close_bf16(got, want, keys):
         torch.testing.assert_close(got[k], want[k], rtol=BF16_TOL, atol=BF16_TOL, msg=k)
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "grpo"])
+@pytest.mark.parametrize("kind", ["sft", "sft_fp16", "dpo", "kto", "grpo"])
 def test_flag_with_bf16_trains_with_our_kernel_like_stock_bf16(kind, tmp_path, token_spy,
                                                                caplog):
     # TRL's configs default to bf16=True: accelerate's autocast wrapper then wraps TRL's fused
     # head, which wraps our forward; train-begin's check must look through it (issue 38.1).
-    if kind == "sft":
+    # fp16 (CPU autocast float16) takes the same wrapper.
+    if kind.startswith("sft"):
+        precision = {"bf16": False, "fp16": True} if kind == "sft_fp16" else {"bf16": True}
         init = build_model("llama")
         with _stock_head():
-            want = _history(_sft(reference_copy(init), tmp_path / "s", bf16=True), SFT_KEYS)
+            want = _history(_sft(reference_copy(init), tmp_path / "s", **precision), SFT_KEYS)
         with caplog.at_level("WARNING", logger="fused_ce_patch"):
             trainer = _sft(reference_copy(init), tmp_path / "o", fused_ce_config(trl.SFTConfig),
-                           use_fused_ce=True, bf16=True)
+                           use_fused_ce=True, **precision)
         keys = SFT_KEYS
     else:
         if not HAS_FUSED_HEAD:
