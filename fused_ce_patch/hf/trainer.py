@@ -388,17 +388,19 @@ def _custom_compute_loss(trainer) -> str | None:
 
     Such a method may read ``outputs.logits`` or pop the labels and compute its own loss; the
     flag cannot tell that it computes the stock loss."""
+    def trusted(fn) -> bool:
+        # Trainer's, TRL's (hf/trl.py's per-instance wrapper of an SFTTrainer's copies its
+        # module), or our own guard
+        module = getattr(fn, "__module__", "") or ""
+        return fn is Trainer.compute_loss or getattr(fn, "__func__", None) is \
+            Trainer.compute_loss or getattr(fn, _GUARD, False) or module == "trl" or \
+            module.startswith(("trl.", "fused_ce_patch."))
+
     own = trainer.__dict__.get("compute_loss")
-    if own is not None and not getattr(own, _GUARD, False) \
-            and getattr(own, "__module__", "") != "fused_ce_patch.hf.trl":
+    if own is not None and not trusted(own):
         return getattr(own, "__qualname__", repr(own))
     func = getattr(type(trainer), "compute_loss", None)
-    if func is Trainer.compute_loss:
-        return None
-    module = getattr(func, "__module__", "") or ""
-    if module == "trl" or module.startswith("trl."):
-        return None
-    return getattr(func, "__qualname__", repr(func))
+    return None if trusted(func) else getattr(func, "__qualname__", repr(func))
 
 
 def _guard_custom_compute_loss(trainer) -> None:
