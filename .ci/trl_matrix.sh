@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # TRL matrix (CPU): the TRL integration tests under one release of each TRL generation, in a
 # venv of its own (.venv-trl); TRL is pure Python, so one torch install serves every release.
+#   every release: the flag in float32 and with TRL's default bf16=True (CPU autocast;
+#             test_flag_with_bf16_* in test_trl.py, test_flag_with_every_precision_*)
 #   trl 1.16: fused LM head (add_fused_lm_head) in SFT/DPO/KTO/GRPO/RLOO; also runs
 #             examples/trl_sft.py and the snippets of README.md and docs/*.md (the TRL
 #             ones need trl; README's test command skips them)

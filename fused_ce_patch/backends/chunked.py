@@ -50,6 +50,7 @@ import torch
 
 from ..errors import single_backward
 from .base import LossSpec, Problem
+from .nonfinite_scale import stock_chain_grads
 
 
 class LogitsKernel:
@@ -389,39 +390,74 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @single_backward
     def backward(ctx, grad_out):
         cfg: ChunkConfig = ctx.cfg
-        hidden, weight, bias, labels, valid_rows, lse_all = ctx.saved_tensors
-        if cfg.eager:
-            grads = ctx.grads
-            # Handed to autograd (which may adopt the buffers as .grad without a copy); a
-            # second backward through a retained graph replays the same eager pass, so the
-            # result is bitwise the same.
+        if cfg.reduction != "none" and _batched(grad_out):
+            # torch.autograd.grad(..., is_grads_batched=True) (vmap over the upstream
+            # gradient): the gradient is linear in it, so the unit gradient is formed as
+            # usual and scaled out of place (in-place updates of unbatched buffers by a
+            # batched value are not allowed).
+            unit = _backward(ctx, torch.ones((), dtype=torch.float32,
+                                             device=ctx.saved_tensors[0].device))
+            return tuple(None if g is None else (g * grad_out).to(g.dtype) for g in unit)
+        if cfg.reduction != "none" and not bool(torch.isfinite(grad_out).all()):
+            # an inf/NaN upstream gradient: stock's chain gives NaN where s * (p - onehot)
+            # would give +-inf (log-softmax backward forms -s + p_y s at the target)
+            hidden, weight, bias, labels, valid_rows, _ = ctx.saved_tensors
+            acc = _loss_dtype(weight.dtype)
+            s = grad_out.detach().to(acc) * cfg.scale
             ctx.grads = None
-            if grads is None:
-                run = _Runner(hidden, weight, bias, labels, valid_rows, cfg)
-                grads = run.new_grads(hidden.shape, hidden.dtype, hidden.device)
-                for _, idx, h, y in run.chunks():
-                    run.eager_chunk(h, y, idx, grads)
-            g = grad_out.item()  # a Python float keeps the scale out of bf16 rounding
-            if g != 1.0:
-                for t in (grads.dh, grads.dw, grads.db):
-                    if t is not None:
-                        t.mul_(g)
-            return (*_finalize(grads, hidden, weight, bias), None, None, None)
+            return (*stock_chain_grads(hidden, weight, bias, labels, valid_rows, cfg.n_valid,
+                                       cfg.spec, s, ctx.needs_input_grad[:3]),
+                    None, None, None)
+        return _backward(ctx, grad_out)
 
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        cfg_b = replace(cfg, need=(need_h, need_w, need_b))
-        run = _Runner(hidden, weight, bias, labels, valid_rows, cfg_b)
-        grads = run.new_grads(hidden.shape, hidden.dtype, hidden.device)
-        if cfg.reduction == "none":
-            row_scale = grad_out.reshape(-1).to(run.acc)
-        else:
-            row_scale = None
-            scale = grad_out.to(run.acc) * cfg.scale
-        for start, idx, h, y in run.chunks():
-            lse = None if lse_all is None else lse_all[start : start + idx.shape[0]]
-            s = row_scale.index_select(0, idx) if row_scale is not None else scale
-            run.grads_recompute(h, y, idx, lse, s, grads)
+
+def _batched(t) -> bool:
+    """Whether ``t`` is a batched tensor: ``torch.autograd.grad(..., is_grads_batched=True)``
+    runs backward under the legacy vmap (``is_legacy_batchedtensor``), ``torch.func.vmap``
+    under functorch's (``is_batchedtensor``)."""
+    functorch = getattr(torch._C, "_functorch", None)
+    if not isinstance(t, torch.Tensor) or functorch is None:
+        return False
+    return any(bool(getattr(functorch, name)(t)) for name in
+               ("is_legacy_batchedtensor", "is_batchedtensor") if hasattr(functorch, name))
+
+
+def _backward(ctx, grad_out):
+    """The gradients for ``grad_out``: the eager ones scaled, or recomputed."""
+    cfg: ChunkConfig = ctx.cfg
+    hidden, weight, bias, labels, valid_rows, lse_all = ctx.saved_tensors
+    if cfg.eager:
+        grads = ctx.grads
+        # Handed to autograd (which may adopt the buffers as .grad without a copy); a
+        # second backward through a retained graph replays the same eager pass, so the
+        # result is bitwise the same.
+        ctx.grads = None
+        if grads is None:
+            run = _Runner(hidden, weight, bias, labels, valid_rows, cfg)
+            grads = run.new_grads(hidden.shape, hidden.dtype, hidden.device)
+            for _, idx, h, y in run.chunks():
+                run.eager_chunk(h, y, idx, grads)
+        g = grad_out.item()  # a Python float keeps the scale out of bf16 rounding
+        if g != 1.0:
+            for t in (grads.dh, grads.dw, grads.db):
+                if t is not None:
+                    t.mul_(g)
         return (*_finalize(grads, hidden, weight, bias), None, None, None)
+
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    cfg_b = replace(cfg, need=(need_h, need_w, need_b))
+    run = _Runner(hidden, weight, bias, labels, valid_rows, cfg_b)
+    grads = run.new_grads(hidden.shape, hidden.dtype, hidden.device)
+    if cfg.reduction == "none":
+        row_scale = grad_out.reshape(-1).to(run.acc)
+    else:
+        row_scale = None
+        scale = grad_out.to(run.acc) * cfg.scale
+    for start, idx, h, y in run.chunks():
+        lse = None if lse_all is None else lse_all[start : start + idx.shape[0]]
+        s = row_scale.index_select(0, idx) if row_scale is not None else scale
+        run.grads_recompute(h, y, idx, lse, s, grads)
+    return (*_finalize(grads, hidden, weight, bias), None, None, None)
 
 
 def forward_grad_safe(dtype: torch.dtype) -> bool:

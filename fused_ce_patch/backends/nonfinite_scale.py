@@ -50,45 +50,55 @@ class _NonFiniteScale(torch.autograd.Function):
         raise_if_double_backward("fused_linear_cross_entropy")
         hidden, weight, bias = ctx.saved_tensors
         p: Problem = ctx.problem
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
         s = grad_out.detach().to(acc) * p.scale  # the upstream of the sum, as autograd forms it
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        dh = torch.zeros_like(rows) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        db = (torch.zeros(weight.shape[0], dtype=acc, device=weight.device)
-              if need_b and bias is not None else None)
-        step = max(1, CHUNK_BYTES // (4 * weight.shape[0]))
-        with torch.no_grad():
-            for start in range(0, p.n_valid, step):
-                idx = p.valid_rows[start:start + step]
-                h = rows.index_select(0, idx)
-                dz = _logits_grad(h, weight, bias, p.labels.index_select(0, idx), p, s, acc)
-                if dh is not None:
-                    dh.index_copy_(0, idx, torch.mm(dz.to(weight.dtype), weight).to(dh.dtype))
-                if dw is not None:
-                    dw.addmm_(dz.t(), h.to(acc))
-                if db is not None:
-                    db += dz.sum(0)
-        return (
-            None if dh is None else dh.view(hidden.shape),
-            None if dw is None else dw.to(weight.dtype),
-            None if db is None else db.to(bias.dtype),
-            None,
-            None,
-        )
+        return (*stock_chain_grads(hidden, weight, bias, p.labels, p.valid_rows, p.n_valid,
+                                   p.spec, s, ctx.needs_input_grad[:3]), None, None)
 
 
-def _logits_grad(h, weight, bias, y, p: Problem, s, acc) -> torch.Tensor:
+def stock_chain_grads(hidden, weight, bias, labels, valid_rows, n_valid, spec, s, needs):
+    """``(dh, dw, db)`` of ``s * sum(loss rows)`` by the stock chain, chunk by chunk.
+
+    ``s`` is the upstream of the summed loss (a 0-d tensor, any value: inf and NaN give
+    stock's NaN pattern, which ``s * (softmax - onehot)`` does not); ``needs`` says which of
+    the three to form. Also used by the chunked backend for a non-finite upstream gradient.
+    """
+    need_h, need_w, need_b = needs
+    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    dh = torch.zeros_like(rows) if need_h else None
+    dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+    db = (torch.zeros(weight.shape[0], dtype=acc, device=weight.device)
+          if need_b and bias is not None else None)
+    step = max(1, CHUNK_BYTES // (4 * weight.shape[0]))
+    with torch.no_grad():
+        for start in range(0, n_valid, step):
+            idx = valid_rows[start:start + step]
+            h = rows.index_select(0, idx)
+            dz = _logits_grad(h, weight, bias, labels.index_select(0, idx), spec, s, acc)
+            if dh is not None:
+                dh.index_copy_(0, idx, torch.mm(dz.to(weight.dtype), weight).to(dh.dtype))
+            if dw is not None:
+                dw.addmm_(dz.t(), h.to(acc))
+            if db is not None:
+                db += dz.sum(0)
+    return (
+        None if dh is None else dh.view(hidden.shape),
+        None if dw is None else dw.to(weight.dtype),
+        None if db is None else db.to(bias.dtype),
+    )
+
+
+def _logits_grad(h, weight, bias, y, spec, s, acc) -> torch.Tensor:
     """``[r, V]`` gradient of ``s * sum(loss rows)`` w.r.t. the logits, by autograd of the
     stock chain (``lm_head`` output upcast, softcap, ``F.cross_entropy``, z-loss)."""
     logits = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
     z = logits.to(acc).requires_grad_()
     with torch.enable_grad():
-        capped = z if p.spec.softcap is None else p.spec.softcap * torch.tanh(z / p.spec.softcap)
+        capped = z if spec.softcap is None else spec.softcap * torch.tanh(z / spec.softcap)
         loss = F.cross_entropy(capped, y, reduction="none",
-                               label_smoothing=p.spec.label_smoothing)
-        if p.spec.z_loss:
-            loss = loss + p.spec.z_loss * torch.logsumexp(capped, dim=-1).square()
+                               label_smoothing=spec.label_smoothing)
+        if spec.z_loss:
+            loss = loss + spec.z_loss * torch.logsumexp(capped, dim=-1).square()
         (dz,) = torch.autograd.grad(loss.sum(), z, s)
     return dz

@@ -32,8 +32,8 @@ model is the reference"):
   operand, a head hooked or replaced after the patch (backward and process-wide module hooks
   included), a replaced ``torch.tanh`` under a softcap, labels other than int64, a
   ``vocab_size`` other than the head's, mixed dtypes, an odd ``num_items_in_batch``, a functorch
-  transform — makes the call materialise the logits (:func:`materialize`: the stock
-  computation from the head call on, the decoder not run twice; :func:`_loss_refusal`).
+  transform or forward-mode AD — makes the call materialise the logits (:func:`materialize`:
+  the stock computation from the head call on, the decoder not run twice; :func:`_loss_refusal`).
 
 Otherwise the call runs the stock forward, with one warning per class and reason.
 ``skip_logits`` (the Trainer/TRL/Liger convention) overrides the mode test: ``True`` takes the
@@ -44,6 +44,8 @@ the ``skip_logits`` convention.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -58,7 +60,7 @@ from ..errors import UnsupportedModelError
 from .architectures import DEFER, DONE, LOSS, TRANSFORM, ArchSpec
 from .head import check_head, head_operands, parametrized
 from .head import fused_head_loss as _head_loss
-from .loss_mapping import functorch_active, fused_loss_refusal
+from .loss_mapping import forward_ad_dual, functorch_active, fused_loss_refusal
 from .registry import PATCHED as _PATCHED
 from .registry import STOCK as _STOCK
 from .registry import stock_forward_of, wraps_patched
@@ -102,6 +104,24 @@ def return_logits_from_env() -> bool:
     return os.environ.get(RETURN_LOGITS_ENV, "").strip().lower() not in _FALSY
 
 
+#: Set while a caller that may read ``outputs.logits`` runs (a Trainer subclass's own
+#: ``compute_loss`` under the flag): every patched forward in that context runs as stock.
+_STOCK_PATH: contextvars.ContextVar = contextvars.ContextVar("fused_ce_stock_path",
+                                                            default=False)
+
+
+@contextlib.contextmanager
+def stock_path():
+    """Within the block (this thread / task only), patched forwards run their stock forward:
+    real logits, the stock loss. Used by the Trainer flag around a ``compute_loss`` it cannot
+    tell is the stock one."""
+    token = _STOCK_PATH.set(True)
+    try:
+        yield
+    finally:
+        _STOCK_PATH.reset(token)
+
+
 def class_slot(stock) -> _ClassSlot:
     return _PATCHED[stock][1]
 
@@ -129,9 +149,11 @@ def warn_stock_path(model, reason: str) -> None:
 def patched_forward(stock, spec: ArchSpec):
     """The patched forward for the stock forward ``stock`` (one function per stock forward).
 
-    ``functools.wraps`` keeps the stock name, docstring and signature (``__wrapped__``), so
-    ``generate()`` (``logits_to_keep`` detection, kwarg validation) and Trainer (column
-    filtering, ``**kwargs`` detection for ``num_items_in_batch``) inspect what they expect.
+    ``functools.wraps`` keeps the stock name and docstring and ``__signature__`` the stock
+    signature, so ``generate()`` (``logits_to_keep`` detection, kwarg validation) and Trainer
+    (column filtering, ``**kwargs`` detection for ``num_items_in_batch``) inspect what they
+    expect; there is no ``__wrapped__`` link to the stock forward (the registry maps one to
+    the other), so unwrapping down ``__wrapped__`` chains stops at the patched forward.
     """
     if stock in _PATCHED:
         return _PATCHED[stock][0]
@@ -154,7 +176,8 @@ def patched_forward(stock, spec: ArchSpec):
         options = state.options if state is not None else slot.options
         if options is None:  # reverted: behave exactly as the stock forward
             return stock(self, *args, **kwargs)
-        if skip_logits is False or options.return_logits or return_logits_from_env():
+        if skip_logits is False or options.return_logits or return_logits_from_env() \
+                or _STOCK_PATH.get():
             return stock(self, *args, **kwargs)
         if skip_logits is None and not (self.training and torch.is_grad_enabled()):
             return stock(self, *args, **kwargs)
@@ -170,6 +193,11 @@ def patched_forward(stock, spec: ArchSpec):
             return stock(self, *args, **kwargs)
         return rewritten(self, *args, **kwargs)
 
+    # Not a __wrapped__ link to stock: accelerate's unwrap_model(keep_fp32_wrapper=False)
+    # walks __wrapped__ to the innermost function and binds that, which would drop the patch.
+    # The signature stays the stock one (generate() and Trainer inspect it).
+    del forward.__wrapped__
+    forward.__signature__ = signature
     _PATCHED[stock] = (forward, slot)
     _STOCK[forward] = stock
     return forward
@@ -365,9 +393,15 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
             isinstance(n, torch.Tensor) and (n.dtype == torch.bool or n.is_complex()))
             or not isinstance(n, (numbers.Real, torch.Tensor))):
         return f"its num_items_in_batch is {type(n).__name__} {n!r:.40}"
+    if isinstance(n, torch.Tensor) and n.numel() != 1:
+        # stock divides by it anyway (a loss of n's shape, refused at backward)
+        return f"its num_items_in_batch has shape {tuple(n.shape)}, not one number"
     if functorch_active():
         return "a functorch transform (torch.func.grad / vmap) is active"
+    if forward_ad_dual(logits.hidden, weight, getattr(logits.head, "bias", None)):
+        return "forward-mode AD (a dual tensor) reaches its lm_head"
     return None
+
 
 
 def _loss(model, *args, **kwargs):
@@ -408,10 +442,16 @@ def fused_head_loss(
     Raises:
         ValueError: neither labels nor shift_labels; labels that do not match the kept hidden
             states; ``vocab_size`` other than the head's rows; a label outside ``[0, V)``.
+        TypeError: labels or shift_labels not a tensor (a list, a numpy array), as stock.
     """
     hidden = logits.hidden
     if labels is None and shift_labels is None:
         raise ValueError("fused_ce_patch: the loss needs labels or shift_labels")
+    for name, value in (("labels", labels), ("shift_labels", shift_labels)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            # stock's loss raises TypeError too (F.pad / F.cross_entropy on a non-tensor)
+            raise TypeError(f"fused_ce_patch: {name} must be a torch.Tensor, got "
+                            f"{type(value).__module__}.{type(value).__qualname__}")
     if shift_labels is not None:  # already shifted by the caller: never shift again
         target, shift = shift_labels, False
     else:
@@ -449,6 +489,10 @@ def fused_head_loss(
     )
     if vocab_size is not None and int(vocab_size) != vocab:
         raise ValueError(f"fused_ce_patch: vocab_size {vocab_size} != lm_head rows {vocab}")
+    if loss.dtype != torch.float32:
+        # ForCausalLMLoss computes from logits.float(): a float32 loss for every model dtype
+        # (float64 included; the fused loss kept float64 arithmetic, rounded here)
+        loss = loss.float()
     n = num_items_in_batch
     if isinstance(n, torch.Tensor):
         if n.dim() and n.numel() == 1:

@@ -286,9 +286,36 @@ def _plain_linear(module: nn.Module, name: str, owners=None, check_only: bool = 
             f"{name}.weight is on the meta device (offloaded by a device_map?); the fused loss "
             f"needs the materialised weight. {_ESCAPE}"
         )
+    for pname, tensor in (("weight", weight), ("bias", getattr(module, "bias", None))):
+        custom = custom_torch_function(tensor)
+        if custom:
+            raise UnsupportedModelError(
+                f"{name}.{pname} is a {custom} with its own __torch_function__ (fake "
+                f"quantisation, QAT?), which changes what {name}'s F.linear computes; the "
+                f"fused loss reads the tensor and would bypass it. {_ESCAPE}"
+            )
     if check_only:
         return None, None
     return weight, module.bias
+
+
+_TENSOR_TORCH_FUNCTION = torch.Tensor.__torch_function__.__func__
+
+
+def custom_torch_function(tensor) -> str:
+    """The qualified type name of ``tensor`` when that type overrides ``__torch_function__``
+    (so torch functions such as ``F.linear`` called on it run its code), else "".
+
+    ``torch.Tensor``'s own and the disabled implementation (``nn.Parameter``, ``DTensor``,
+    FSDP1's ``FlatParameter``, DeepSpeed's and PEFT's parameters, which are plain Parameters)
+    are torch's default handling."""
+    if tensor is None or type(tensor) in (torch.Tensor, nn.Parameter):
+        return ""
+    impl = getattr(type(tensor), "__torch_function__", None)
+    if impl is torch._C._disabled_torch_function_impl or \
+            getattr(impl, "__func__", None) is _TENSOR_TORCH_FUNCTION:
+        return ""
+    return f"{type(tensor).__module__}.{type(tensor).__qualname__}"
 
 
 # nn.Module's call machinery as torch defines it, recorded at import (a replacement made
@@ -607,6 +634,12 @@ def _lora(head, name, hidden, check_only, owners):
     out = _resolve(base, f"{name}.base_layer", hidden, check_only, owners)
     for adapter in active:  # lora_A is called below (its own hooks run); lora_B is read
         _check_no_hooks(head.lora_B[adapter], f"{name}.lora_B[{adapter!r}]", owners)
+        for pname in ("weight", "bias"):
+            custom = custom_torch_function(getattr(head.lora_B[adapter], pname, None))
+            if custom:
+                raise UnsupportedModelError(
+                    f"{name}.lora_B[{adapter!r}].{pname} is a {custom} with its own "
+                    f"__torch_function__, which the fused loss would bypass. {_ESCAPE}")
     if check_only or not active:
         return out
     hidden, weight, bias = out

@@ -143,7 +143,8 @@ def chunked_causal_lm_loss(
         ValueError: labels and logits hold different numbers of positions (as stock).
     """
     target = labels if shift_labels is None else shift_labels
-    if not _chunkable(logits, target, vocab_size, ignore_index) or functorch_active():
+    if not _chunkable(logits, target, vocab_size, ignore_index) or functorch_active() \
+            or forward_ad_dual(logits):
         return _stock_loss()(
             logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
             ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,
@@ -255,6 +256,18 @@ def functorch_active() -> bool:
     functorch = getattr(torch._C, "_functorch", None)
     peek = getattr(functorch, "peek_interpreter_stack", None)
     return peek is not None and peek() is not None
+
+
+def forward_ad_dual(*tensors) -> bool:
+    """Whether a forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``) and
+    one of ``tensors`` carries a tangent there: the package's ``autograd.Function``s have no
+    ``jvp``, so the stock computation runs."""
+    from torch.autograd import forward_ad
+
+    if getattr(forward_ad, "_current_level", -1) < 0:  # no level open: nothing is dual
+        return False
+    return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
+               for t in tensors)
 
 
 def defined_in(fn, module_name: str, qualname: str) -> bool:
@@ -513,7 +526,13 @@ def apply_fused_ce_to_loss_mapping() -> None:
     fused_ce_patch this changes every model in the process, until :func:`revert_fused_ce` (no
     argument) restores every entry and name it replaced, by identity. Idempotent.
 
+    All or nothing: if anything fails part-way, every entry already replaced is put back and
+    :class:`RuntimeError` (chained to the cause) says nothing was changed.
+
     Source: Unsloth's ``patch_loss_functions`` for the idea of re-registering every alias.
+
+    Raises:
+        RuntimeError: the replacement failed part-way (rolled back; the cause is chained).
     """
     with _MAPPING_LOCK:
         if _MAPPING_SAVED:
@@ -521,24 +540,48 @@ def apply_fused_ce_to_loss_mapping() -> None:
         loss_utils = _loss_utils()
         original = loss_utils.ForCausalLMLoss
         proven_causal_lm_loss()  # fix what the fused loss stands for before replacing names
-        for key, fn in list(loss_utils.LOSS_MAPPING.items()):
-            if fn is original:
-                _MAPPING_SAVED.append((loss_utils.LOSS_MAPPING, key, fn))
-                loss_utils.LOSS_MAPPING[key] = ForCausalLMLoss
-        for name, module in list(sys.modules.items()):
-            if (name == "transformers" or name.startswith("transformers.")) and \
-                    getattr(module, "ForCausalLMLoss", None) is original:
-                _MAPPING_SAVED.append((vars(module), "ForCausalLMLoss", original))
-                vars(module)["ForCausalLMLoss"] = ForCausalLMLoss
+        try:
+            for key, fn in list(loss_utils.LOSS_MAPPING.items()):
+                if fn is original:
+                    _replace(loss_utils.LOSS_MAPPING, key, original)
+            for name, module in list(sys.modules.items()):
+                # The module's own namespace, not getattr: a lazy module (transformers'
+                # _LazyModule) would import a submodule to answer, which may fail (a missing
+                # optional dependency) or have side effects; a name it has not resolved yet
+                # resolves later through loss_utils, already replaced.
+                namespace = getattr(module, "__dict__", None)
+                if (name == "transformers" or name.startswith("transformers.")) and \
+                        isinstance(namespace, dict) and \
+                        namespace.get("ForCausalLMLoss") is original:
+                    _replace(namespace, "ForCausalLMLoss", original)
+        except BaseException as exc:
+            done = len(_MAPPING_SAVED)
+            revert_loss_mapping_locked()
+            raise RuntimeError(
+                f"apply_fused_ce_to_loss_mapping failed after replacing {done} entries "
+                f"({type(exc).__name__}: {exc}); all were restored, LOSS_MAPPING and the "
+                f"ForCausalLMLoss names are transformers' own again"
+            ) from exc
+
+
+def _replace(namespace: dict, key, original) -> None:
+    """Record then replace one entry (record first: a failure leaves nothing unrecorded)."""
+    _MAPPING_SAVED.append((namespace, key, original))
+    namespace[key] = ForCausalLMLoss
 
 
 def revert_loss_mapping() -> None:
     """Undo :func:`apply_fused_ce_to_loss_mapping` (entries changed since are left alone)."""
     with _MAPPING_LOCK:
-        while _MAPPING_SAVED:
-            namespace, key, original = _MAPPING_SAVED.pop()
-            if namespace.get(key) is ForCausalLMLoss:
-                namespace[key] = original
+        revert_loss_mapping_locked()
+
+
+def revert_loss_mapping_locked() -> None:
+    """:func:`revert_loss_mapping` for a caller that holds ``_MAPPING_LOCK``."""
+    while _MAPPING_SAVED:
+        namespace, key, original = _MAPPING_SAVED.pop()
+        if namespace.get(key) is ForCausalLMLoss:
+            namespace[key] = original
 
 
 def loss_mapping_patched() -> bool:

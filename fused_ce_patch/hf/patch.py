@@ -397,10 +397,9 @@ def apply_fused_ce(
     target.__dict__[STATE_ATTR] = _InstanceState(options, slot, previous, installed, loss, target,
                                                  stock)
     _PATCHED_INSTANCES.add(target)
-    if "trl" in sys.modules:
-        from . import trl as trl_routing
+    from . import trl as trl_routing
 
-        trl_routing.install()
+    trl_routing.install()  # now, or when TRL's trainer modules are imported (any order)
     logger.info(
         "fused_ce_patch: patched %s (model_type %r, this instance only): training loss via "
         "fused linear cross-entropy, %s",
@@ -472,9 +471,17 @@ def _revert_class(cls):
     if current is None or not is_patched_forward(current):
         return
     stock = stock_forward_of(current)
-    class_slot(stock).options = None
-    cls.forward = stock
     _PATCHED_CLASSES.discard(cls)
+    # The options live with the stock forward: keep them while another class patched on the
+    # same forward (a subclass, or its parent) stays patched.
+    if not any(stock_forward_of(k.__dict__.get("forward")) is stock for k in _PATCHED_CLASSES):
+        class_slot(stock).options = None
+    inherited = next((k.__dict__["forward"] for k in cls.__mro__[1:] if "forward" in k.__dict__),
+                     None)
+    if inherited is not None and stock_forward_of(inherited) is stock:
+        del cls.forward  # a subclass patched on its own: inherit (stock or parent's patch) again
+    else:
+        cls.forward = stock
 
 
 def _describe_forward(fn) -> tuple[str, str]:
@@ -561,8 +568,9 @@ def apply_fused_ce_to_class(
 
     The generic form of ``apply_fused_ce_to_<type>()``: any class whose forward passes the proof
     (docs/support.md), e.g. ``apply_fused_ce_to_class(Qwen3ForCausalLM)``. The forward
-    is patched on the class that defines it, so subclasses sharing it are patched too.
-    ``revert_fused_ce(cls)`` undoes it.
+    is patched on ``cls`` itself: its subclasses are patched too, the classes it derives from
+    are not (``apply_fused_ce_to_class(MyLlama)`` leaves other ``LlamaForCausalLM`` instances
+    stock). ``revert_fused_ce(cls)`` undoes it.
 
     Args:
         cls: a transformers causal-LM class (``XForCausalLM``, ``XForConditionalGeneration``).
@@ -571,7 +579,7 @@ def apply_fused_ce_to_class(
         return_logits: keep the stock path (real logits) everywhere.
 
     Returns:
-        The class whose ``forward`` was patched (``cls`` or the base class defining it).
+        ``cls``, whose ``forward`` was patched.
 
     Raises:
         UnsupportedModelError: the class is not proven (reason in the message).
@@ -587,11 +595,11 @@ def apply_fused_ce_to_class(
     stock = stock_forward_of(current)
     patched = patched_forward(stock, spec)
     class_slot(stock).options = options
-    if current is not patched:
-        owner.forward = patched
-    _PATCHED_CLASSES.add(owner)
-    loss_mapping.route_class(owner)
-    return owner
+    if cls.__dict__.get("forward") is not patched:
+        cls.forward = patched  # on cls only: a user subclass's parent stays stock
+    _PATCHED_CLASSES.add(cls)
+    loss_mapping.route_class(cls)
+    return cls
 
 
 _CLASS_DOC = """Patch every {cls} (model_type ``{mt}``) to use the fused loss{extra}.

@@ -58,3 +58,40 @@ def wraps_patched(fn) -> bool:
             return True
         fn = getattr(fn, "__func__", None) or getattr(fn, "__wrapped__", None)
     return False
+
+
+def _is_amp_layer(fn) -> bool:
+    """One layer of accelerate's native mixed-precision forward wrapper: the
+    ``convert_outputs_to_fp32.<locals>.forward`` closure, the ``ConvertOutputsToFp32``
+    object inside it, or torch's ``autocast`` decorator (``decorate_autocast``, which
+    ``functools.wraps`` the forward, so it is told by its code object)."""
+    if type(fn).__name__ == "ConvertOutputsToFp32" and \
+            type(fn).__module__.startswith("accelerate."):
+        return True
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
+    module = getattr(fn, "__module__", "") or ""
+    if code.co_name == "forward" and module.startswith("accelerate.") and \
+            getattr(fn, "__qualname__", "") == "convert_outputs_to_fp32.<locals>.forward":
+        return True
+    parts = code.co_filename.replace("\\", "/").split("/")
+    return code.co_name == "decorate_autocast" and "torch" in parts and "amp" in parts
+
+
+def inside_amp_wrapper(fn):
+    """The forward inside accelerate's mixed-precision wrapper, or ``fn`` when it is none.
+
+    ``Accelerator.prepare`` (native AMP: bf16/fp16) replaces ``model.forward`` with
+    ``MethodType(convert_outputs_to_fp32(autocast(<forward found>.__func__)), model)``
+    (accelerate 1.x ``prepare_model``): autocast around the call and float32 outputs, a
+    wrapper that would wrap a stock forward in the same way. Each layer keeps its inner
+    forward in ``__wrapped__``; the result is the (unbound) function found beneath.
+    """
+    inner = fn
+    for _ in range(8):
+        func = getattr(inner, "__func__", inner)
+        if not _is_amp_layer(func):
+            break
+        inner = func.__wrapped__
+    return inner

@@ -28,7 +28,9 @@ then, and the patch leaves ``LOSS_MAPPING`` untouched, so that decision is the s
 the Trainer is equivalent. Evaluation with ``prediction_loss_only`` (no ``compute_metrics``)
 computes the loss on the fused path without logits, through the ``skip_logits=True`` keyword
 that Trainer passes for Liger (``Trainer.prediction_step``); whenever predictions or metrics
-need logits they are real.
+need logits they are real. A Trainer subclass that overrides ``compute_loss`` (not TRL's own
+trainers) may read ``outputs.logits`` or pop the labels: its calls run the stock forward
+(one warning), so it trains and evaluates as stock.
 
 With ``model_init`` (a fresh model per ``train()``), Trainer re-creates the model after
 ``on_init_end`` and never shows callbacks the new one: patch inside ``model_init`` instead
@@ -293,6 +295,7 @@ class FusedCECallback(TrainerCallback):
             # revert gives back the forward from before TRL's chunked head went on
             unwrap_causal_lm(model).__dict__[STATE_ATTR].previous = before
         if trainer is not None:
+            _guard_custom_compute_loss(trainer)
             _install_prediction_step(trainer)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -362,11 +365,70 @@ def _install_prediction_step(trainer) -> None:
     @functools.wraps(original)
     def prediction_step(model, inputs, prediction_loss_only, ignore_keys=None):
         owner = trainer_ref()
+        # Only with labels: the stock forward computes no loss from shift_labels alone (and
+        # skip_logits=True without labels is an error). Only with the stock compute_loss: a
+        # subclass's may read outputs.logits.
         if (prediction_loss_only and owner is not None and not owner.args.use_liger_kernel
                 and "skip_logits" not in inputs and owner.label_smoother is None
                 and owner.compute_loss_func is None and _takes_skip_logits(model)
-                and ("labels" in inputs or "shift_labels" in inputs)):
+                and inputs.get("labels") is not None
+                and _custom_compute_loss(owner) is None):
             inputs = {**inputs, "skip_logits": True}
         return original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     trainer.prediction_step = prediction_step
+
+
+_GUARD = "_fused_ce_compute_loss_guard"
+
+
+def _custom_compute_loss(trainer) -> str | None:
+    """The qualified name of ``trainer``'s ``compute_loss`` when it is neither Trainer's own
+    nor a TRL trainer's (whose heads hf/trl.py routes), else None.
+
+    Such a method may read ``outputs.logits`` or pop the labels and compute its own loss; the
+    flag cannot tell that it computes the stock loss."""
+    def trusted(fn) -> bool:
+        # Trainer's, TRL's (hf/trl.py's per-instance wrapper of an SFTTrainer's copies its
+        # module), or our own guard
+        module = getattr(fn, "__module__", "") or ""
+        return fn is Trainer.compute_loss or getattr(fn, "__func__", None) is \
+            Trainer.compute_loss or getattr(fn, _GUARD, False) or module == "trl" or \
+            module.startswith(("trl.", "fused_ce_patch."))
+
+    own = trainer.__dict__.get("compute_loss")
+    if own is not None and not trusted(own):
+        return getattr(own, "__qualname__", repr(own))
+    func = getattr(type(trainer), "compute_loss", None)
+    return None if trusted(func) else getattr(func, "__qualname__", repr(func))
+
+
+def _guard_custom_compute_loss(trainer) -> None:
+    """Run a subclass's own ``compute_loss`` on the stock path (real logits), per instance.
+
+    Trainer subclasses that override ``compute_loss`` commonly read ``outputs.logits`` (a
+    penalty, a distillation term) or pop the labels and weight the per-token loss; the fused
+    path would hand them a placeholder. Inside their call every patched forward runs as stock
+    (:func:`~.forward.stock_path`), so training and evaluation give stock's numbers; one
+    warning says the memory saving is off for this trainer.
+    """
+    from .forward import stock_path
+
+    name = _custom_compute_loss(trainer)
+    if name is None or getattr(trainer.__dict__.get("compute_loss"), _GUARD, False):
+        return
+    original = trainer.compute_loss
+
+    @functools.wraps(original)
+    def compute_loss(*args, **kwargs):
+        with stock_path():
+            return original(*args, **kwargs)
+
+    setattr(compute_loss, _GUARD, True)
+    trainer.compute_loss = compute_loss
+    logger.warning(
+        "fused_ce_patch: %s overrides compute_loss (%s), which may read outputs.logits or "
+        "compute its own loss; its calls run the model's stock forward (real logits, no "
+        "memory saving). To keep the fused loss, leave compute_loss to the Trainer, or drop "
+        "the flag, call apply_fused_ce(model) before building the trainer and read only "
+        "outputs.loss while training.", type(trainer).__name__, name)

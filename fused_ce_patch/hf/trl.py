@@ -94,6 +94,13 @@ def _patched_owner(weight):
         except Exception:  # noqa: BLE001 - a model without a head is simply not ours
             continue
         if head is not None and getattr(head, "weight", None) is weight:
+            from .head import custom_torch_function
+
+            if custom_torch_function(weight):  # fake-quant / QAT weight: TRL's kernel, as stock
+                _once(("custom", type(weight)), "fused_ce_patch: the lm_head weight is a %s "
+                      "with its own __torch_function__; TRL's own kernel runs those calls",
+                      type(weight).__qualname__)
+                return None
             return model, state.options
     if registry.PATCHED_CLASSES:
         _once("class", "fused_ce_patch: a class-level patch does not reach TRL's fused LM head; "
@@ -345,7 +352,36 @@ _TARGETS = (
 def install() -> None:
     """Put the routers in place in every TRL module already imported (idempotent), and watch
     every patched instance so that the originals come back when the last one is garbage
-    collected, reverted or not."""
+    collected, reverted or not.
+
+    A TRL module imported later (``apply_fused_ce`` before ``import trl``, or after it but
+    before a TRL trainer is imported: trl loads its trainer modules lazily) gets its router
+    when it is imported, through a finder on ``sys.meta_path`` that only answers for those
+    modules and is there only while a patched instance exists (:class:`_RouteOnImport`)."""
+    _install_now()
+    from . import registry
+
+    pending = [name for name, _, _ in _TARGETS if name not in sys.modules]
+    if pending and any(True for _ in registry.PATCHED_INSTANCES) and _trl_installed():
+        if _HOOK not in sys.meta_path:
+            sys.meta_path.insert(0, _HOOK)
+        _watch_patched_instances()
+    elif not pending:
+        _remove_hook()
+
+
+def _trl_installed() -> bool:
+    if "trl" in sys.modules:
+        return True
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("trl") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _install_now() -> None:
     for module_name, attr, make in _TARGETS:
         module = sys.modules.get(module_name)
         if module is None or (module_name, attr) in _ORIGINALS:
@@ -362,10 +398,65 @@ def install() -> None:
         _watch_patched_instances()
 
 
+class _InstallAfter:
+    """The loader of one TRL module, running :func:`install` once the module has executed."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        from . import registry
+
+        if any(True for _ in registry.PATCHED_INSTANCES):  # e.g. not on a reload after release
+            install()
+
+    def __getattr__(self, name):  # get_source, get_resource_reader, ...: the real loader's
+        return getattr(self.loader, name)
+
+
+class _RouteOnImport:
+    """``sys.meta_path`` finder for TRL's two routed modules only: finds them with the other
+    finders, then has their loader install the routers right after the module runs."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _TARGET_MODULES:
+            return None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _InstallAfter(spec.loader)
+                return spec
+        return None
+
+    def invalidate_caches(self):
+        pass
+
+
+_HOOK = _RouteOnImport()
+_TARGET_MODULES = frozenset(name for name, _, _ in _TARGETS)
+
+
+def _remove_hook() -> None:
+    try:
+        sys.meta_path.remove(_HOOK)
+    except ValueError:
+        pass
+
+
 def release() -> None:
-    """Give TRL its exact objects back (called when no patched instance is left).
+    """Give TRL its exact objects back (called when no patched instance is left), and stop
+    watching for TRL's modules being imported.
 
     Safe to re-enter (a finalizer may run it while another call is in progress)."""
+    _remove_hook()
     for key in list(_ORIGINALS):
         original = _ORIGINALS.pop(key, _ABSENT)
         module = sys.modules.get(key[0])
@@ -395,7 +486,7 @@ def _instance_gone() -> None:
     the last ``install``)."""
     try:
         registry = sys.modules.get("fused_ce_patch.hf.registry")
-        if not _ORIGINALS or registry is None:
+        if not (_ORIGINALS or _HOOK in sys.meta_path) or registry is None:
             return
         if any(True for _ in registry.PATCHED_INSTANCES):
             _watch_patched_instances()
@@ -414,11 +505,16 @@ def is_trl_head_forward(fn) -> bool:
 
     Recognised by code object (name and a file under a ``trl`` folder): ``add_fused_lm_head``'s
     ``_fused_forward`` (trl >= 1.15) and ``_patch_chunked_ce_lm_head``'s
-    ``_chunked_ce_forward`` (trl 1.6-1.14).
+    ``_chunked_ce_forward`` (trl 1.6-1.14), bound to the instance, or inside accelerate's
+    mixed-precision wrapper (:func:`~.registry.inside_amp_wrapper`).
     """
     # By code object: trl 1.16 wraps _fused_forward with functools.wraps(type(model).forward),
-    # which copies the class forward's __module__ and __qualname__ onto it.
-    code = getattr(getattr(fn, "__func__", None), "__code__", None)
+    # which copies the class forward's __module__ and __qualname__ onto it. accelerate's
+    # mixed-precision wrapper (bf16/fp16 Trainer, TRL's default) is looked through.
+    from .registry import inside_amp_wrapper
+
+    inner = inside_amp_wrapper(fn)
+    code = getattr(getattr(inner, "__func__", None) if inner is fn else inner, "__code__", None)
     if code is None:
         return False
     in_trl = "trl" in code.co_filename.replace("\\", "/").split("/")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from fused_ce_patch import (
 )
 from fused_ce_patch.hf.architectures import ARCHITECTURES
 from fused_ce_patch.hf.patch import is_fused_ce_applied
+from fused_ce_patch.hf.registry import stock_forward_of
 from fused_ce_patch.hf.sentinel import NotMaterializedLogits
 from hf_helpers import LOSS_RTOL, assert_close_rel, batch, build_model, reference_copy
 
@@ -71,7 +73,8 @@ def test_class_level_patch_and_revert(arch, spy):
     assert CLASS_PATCHERS[arch]() is None
     CLASS_PATCHERS[arch]()  # twice: no-op
     patched = cls.__dict__["forward"]
-    assert patched is not stock and patched.__wrapped__ is stock
+    assert patched is not stock and stock_forward_of(patched) is stock
+    assert inspect.signature(patched) == inspect.signature(stock)
     model = build_model(arch)  # built after the patch
     ref = reference_copy(model)
     ref.forward = stock.__get__(ref)  # an unpatched reference despite the class patch

@@ -232,3 +232,57 @@ def test_trl_parser_recipe_reads_the_flag_from_the_command_line_and_yaml(tmp_pat
                     f"dataset_name: x\n")
     cfg, *_ = parser.parse_args_and_config(["--config", str(yaml)])
     assert cfg.use_fused_ce is True
+
+
+def _fp16_on_cpu_runs(tmp_path) -> bool:
+    """Whether this transformers/accelerate lets Trainer train fp16 on the CPU (stock)."""
+    from accelerate.state import AcceleratorState
+
+    try:
+        Trainer(model=build_model("llama"), args=_args(TrainingArguments, tmp_path / "probe",
+                                                      fp16=True),
+                train_dataset=make_dataset()).train()
+    except (ValueError, RuntimeError, NotImplementedError):
+        return False
+    finally:
+        AcceleratorState._reset_state(True)
+    return True
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_flag_with_every_precision_matches_stock_at_that_precision(precision, tmp_path, spy,
+                                                                   caplog):
+    # issue 38.1: accelerate's mixed-precision wrapper goes on at train() over the forward the
+    # flag patched at Trainer.__init__; the flag must train, as stock does at that precision.
+    from accelerate.state import AcceleratorState
+
+    extra = {} if precision == "fp32" else {precision: True}
+    if precision == "fp16" and not _fp16_on_cpu_runs(tmp_path):
+        # stock refuses fp16 on this CPU too; the flag must refuse the same way
+        with pytest.raises((ValueError, RuntimeError, NotImplementedError)):
+            Trainer(model=build_model("llama"), args=_args(
+                FusedCETrainingArguments, tmp_path / "f", use_fused_ce=True, **extra),
+                train_dataset=make_dataset()).train()
+        AcceleratorState._reset_state(True)
+        return
+    init = build_model("llama")
+    try:
+        t_ref = Trainer(model=reference_copy(init),
+                        args=_args(TrainingArguments, tmp_path / "r", **extra),
+                        train_dataset=make_dataset())
+        t_ref.train()
+        AcceleratorState._reset_state(True)
+        assert spy.count == 0
+        with caplog.at_level("WARNING", logger="fused_ce_patch"):
+            t = Trainer(model=reference_copy(init),
+                        args=_args(FusedCETrainingArguments, tmp_path / "f", use_fused_ce=True,
+                                   **extra), train_dataset=make_dataset())
+            t.train()
+    finally:
+        AcceleratorState._reset_state(True)
+    assert spy.count == 2 and is_fused_ce_applied(t.model)
+    assert "not patched at train begin" not in caplog.text
+    # fp32: float32 rounding (LOSS_RTOL); bf16/fp16: a few ulps of the 16-bit logits
+    rtol = LOSS_RTOL if precision == "fp32" else 4 * (2.0 ** -8 if precision == "bf16"
+                                                      else 2.0 ** -11)
+    assert_close_rel(logged_losses(t), logged_losses(t_ref), rtol, precision)

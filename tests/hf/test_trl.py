@@ -142,7 +142,7 @@ def _sft_rows():
 
 def _sft(model, tmp_path, config_cls=None, callbacks=(), **extra):
     config_cls = config_cls or trl.SFTConfig
-    args = config_cls(**_common(tmp_path), **extra)
+    args = config_cls(**{**_common(tmp_path), **extra})
     trainer = trl.SFTTrainer(model=model, args=args,
                              train_dataset=datasets.Dataset.from_list(_sft_rows()),
                              processing_class=_tokenizer(), callbacks=list(callbacks))
@@ -245,9 +245,8 @@ def _dpo_rows():
             for _ in range(4)]
 
 
-def _dpo(model, ref, tmp_path, callbacks=()):
-    extra = {"max_steps": 1}
-    args = trl.DPOConfig(**{**_common(tmp_path), **extra})
+def _dpo(model, ref, tmp_path, callbacks=(), config_cls=None, **extra):
+    args = (config_cls or trl.DPOConfig)(**{**_common(tmp_path), "max_steps": 1, **extra})
     trainer = trl.DPOTrainer(model=model, ref_model=ref, args=args,
                              train_dataset=datasets.Dataset.from_list(_dpo_rows()),
                              processing_class=_tokenizer(), callbacks=list(callbacks))
@@ -270,13 +269,13 @@ def test_dpo_step_with_our_kernel(tmp_path, token_spy):
     _assert_same_logs(_history(trainer, DPO_KEYS), want, DPO_KEYS)
 
 
-def _grpo(model, tmp_path, callbacks=()):
+def _grpo(model, tmp_path, callbacks=(), config_cls=None, **more):
     def reward(completions, **kwargs):
         return [float(len(c)) for c in completions]
 
     extra = {"max_steps": 1, "num_generations": 2, "max_completion_length": 4,
              "per_device_train_batch_size": 2, "generation_batch_size": 2, "beta": 0.1}
-    args = trl.GRPOConfig(**{**_common(tmp_path), **extra})
+    args = (config_cls or trl.GRPOConfig)(**{**_common(tmp_path), **extra, **more})
     prompts = [{"prompt": "t5 t6 t7"}, {"prompt": "t8 t9"}]
     torch.manual_seed(0)  # same sampled completions in both runs
     trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args,
@@ -307,12 +306,12 @@ def test_grpo_step_with_our_kernel(tmp_path, token_spy):
     _assert_same_logs(_history(trainer, GRPO_KEYS), want, GRPO_KEYS)
 
 
-def _kto(model, ref, tmp_path, callbacks=()):
+def _kto(model, ref, tmp_path, callbacks=(), config_cls=None, **extra):
     rows = _dpo_rows()
     data = [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
             for r in rows for k in ("chosen", "rejected")]
-    args = trl.KTOConfig(**{**_common(tmp_path), "max_steps": 1,
-                            "per_device_train_batch_size": 4})
+    args = (config_cls or trl.KTOConfig)(**{**_common(tmp_path), "max_steps": 1,
+                                            "per_device_train_batch_size": 4, **extra})
     trainer = trl.KTOTrainer(model=model, ref_model=ref, args=args,
                              train_dataset=datasets.Dataset.from_list(data),
                              processing_class=_tokenizer(), callbacks=list(callbacks))
@@ -414,3 +413,120 @@ def test_trl_head_without_a_cpu_path_fails_stock_and_trains_patched(tmp_path, to
     assert token_spy.count >= 2
     losses = _history(trainer, ["loss"])["loss"]
     assert losses.numel() >= 1 and torch.isfinite(losses).all()
+
+
+# -- the flag with TRL's default precision (bf16) ----------------------------------------------
+#: bf16 autocast rounds every logit to 8 significant bits (relative 2**-8); TRL's kernel and
+#: ours tile and accumulate differently, so logged values agree to a few bf16 ulps of their
+#: size, not to float32 rounding. A loss scaled by (T-1)/T, a skipped step or a metric off by
+#: a token is still far outside this.
+BF16_TOL = 4 * 2.0 ** -8
+
+
+def _assert_close_bf16(got, want, keys):
+    for k in keys:
+        assert k in want and k in got, k
+        assert got[k].shape == want[k].shape, k
+        torch.testing.assert_close(got[k], want[k], rtol=BF16_TOL, atol=BF16_TOL, msg=k)
+
+
+@pytest.mark.parametrize("kind", ["sft", "sft_fp16", "dpo", "kto", "grpo"])
+def test_flag_with_bf16_trains_with_our_kernel_like_stock_bf16(kind, tmp_path, token_spy,
+                                                               caplog):
+    # TRL's configs default to bf16=True: accelerate's autocast wrapper then wraps TRL's fused
+    # head, which wraps our forward; train-begin's check must look through it (issue 38.1).
+    # fp16 (CPU autocast float16) takes the same wrapper.
+    if kind.startswith("sft"):
+        precision = {"bf16": False, "fp16": True} if kind == "sft_fp16" else {"bf16": True}
+        init = build_model("llama")
+        with _stock_head():
+            want = _history(_sft(reference_copy(init), tmp_path / "s", **precision), SFT_KEYS)
+        with caplog.at_level("WARNING", logger="fused_ce_patch"):
+            trainer = _sft(reference_copy(init), tmp_path / "o", fused_ce_config(trl.SFTConfig),
+                           use_fused_ce=True, **precision)
+        keys = SFT_KEYS
+    else:
+        if not HAS_FUSED_HEAD:
+            pytest.skip(f"{kind.upper()} computes from logits before trl 1.15")
+        if not STOCK_HEAD_ON_CPU:
+            pytest.skip(f"trl {TRL}'s own kernel (reference model) has no CPU path")
+        if kind == "grpo":
+            from transformers import AutoModelForCausalLM
+
+            build_model("llama").save_pretrained(tmp_path / "init")
+
+            def load():
+                return AutoModelForCausalLM.from_pretrained(tmp_path / "init",
+                                                            dtype=torch.float32)
+
+            want = _history(_grpo(load(), tmp_path / "s", bf16=True), GRPO_KEYS)
+            with caplog.at_level("WARNING", logger="fused_ce_patch"):
+                trainer = _grpo(load(), tmp_path / "o", config_cls=fused_ce_config(
+                    trl.GRPOConfig), use_fused_ce=True, bf16=True)
+            keys = GRPO_KEYS
+        else:
+            run, cfg, keys = {"dpo": (_dpo, trl.DPOConfig, DPO_KEYS),
+                              "kto": (_kto, trl.KTOConfig, ["loss", "kl", "logps/chosen"])}[kind]
+            init = build_model("llama")
+            want = _history(run(reference_copy(init), reference_copy(init), tmp_path / "s",
+                                bf16=True), keys)
+            with caplog.at_level("WARNING", logger="fused_ce_patch"):
+                trainer = run(reference_copy(init), reference_copy(init), tmp_path / "o",
+                              config_cls=fused_ce_config(cfg), use_fused_ce=True, bf16=True)
+    assert token_spy.count > 0  # our kernel computed the steps
+    assert is_fused_ce_applied(trainer.model)
+    assert "not patched at train begin" not in caplog.text
+    _assert_close_bf16(_history(trainer, keys), want, keys)
+
+
+# -- import order (issue 38.5) ----------------------------------------------------------------
+
+_IMPORT_ORDER_SCRIPT = r"""
+import sys
+if sys.argv[1] == "after_trl":
+    import trl  # trl loads its trainer modules lazily: trl.trainer.utils is not imported yet
+    assert "trl.trainer.utils" not in sys.modules
+sys.path.insert(0, sys.argv[2])
+import torch
+from hf_helpers import build_model
+from fused_ce_patch import apply_fused_ce, revert_fused_ce
+from fused_ce_patch.hf import trl as R
+
+model = apply_fused_ce(build_model("llama"))
+from trl import SFTTrainer  # noqa: F401 - imports trl.trainer.utils now
+import trl.trainer.utils as U
+
+calls = []
+real = R.fused_linear_token_stats
+R.fused_linear_token_stats = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+h = torch.randn(3, model.config.hidden_size)
+out = U._ChunkedLogProbFunction.apply(h, model.lm_head.weight, None, torch.tensor([1, 2, 3]),
+                                      1.0, 32768, None, 1.0, ("log_probs",))
+want = torch.log_softmax(h @ model.lm_head.weight.t(), -1)[torch.arange(3), [1, 2, 3]]
+assert calls, "TRL's kernel ran, not ours"
+torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
+revert_fused_ce(model)
+assert not isinstance(U._ChunkedLogProbFunction, R._RoutedChunkedLogProb)
+assert R._HOOK not in sys.meta_path
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not HAS_FUSED_HEAD, reason="routes add_fused_lm_head's kernel (trl >= 1.15)")
+@pytest.mark.parametrize("order", ["after_trl", "before_trl"])
+def test_routing_installed_whatever_the_import_order(order, tmp_path):
+    # apply_fused_ce before TRL's trainer modules are imported (issue 38.5): their router is
+    # installed when they are imported; the import hook goes away with the last patch
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).parent
+    script = tmp_path / "order.py"
+    script.write_text(_IMPORT_ORDER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(here.parent.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), order, str(here)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
