@@ -14,10 +14,14 @@ The tiny model runs on the CPU; where its stock forward cannot (a device-only ke
 into the modeling module, such as Liger-Kernel's Triton RMSNorm), the proof runs again on the
 user's model's device (:func:`prove`).
 
-Nothing outside the proof notices it: torch's RNG is forked (the user's stream is not consumed),
-grad mode, the default dtype, warning filters and transformers' log verbosity are left as
-found, the package's own log records about the tiny copy are held back by a filter removed
-afterwards, and the tiny patched copy is reverted.
+The proof runs in a clean context whatever the caller's (:mod:`.clean_context`): grad enabled,
+outside ``inference_mode``, autocast, deterministic algorithms, function and dispatch modes,
+float32 default dtype; and nothing outside it notices it: the random streams (torch CPU and
+CUDA, Python's, NumPy's) are restored, grad mode, the default dtype, warning filters,
+transformers' log verbosity and its ``warning_once`` caches are left as found, the package's
+own log records about the tiny copy are held back by a filter removed afterwards, and the tiny
+patched copy is reverted. A refusal seen while the caller had such a context set is not kept
+in the process's memo.
 
 Results are kept per process (key: the class, its spec's fingerprint, the forward as bound and
 the causal-LM loss objects in force) and, for passes only, on disk under
@@ -52,6 +56,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UnsupportedModelError
+from .clean_context import caller_context
 
 __all__ = ["ensure_proven", "prove", "proving", "cache_dir", "disk_key", "clear_memo"]
 
@@ -71,6 +76,7 @@ CACHE_ENV = "FUSED_CE_CACHE_DIR"
 PROOF_FORMAT = 1
 #: Our modules whose code decides the fused number (hashed into the disk key).
 _OWN_SOURCES = ("hf/architectures.py", "hf/forward.py", "hf/head.py", "loss.py",
+                "hf/clean_context.py", "hf/tiny.py",
                 "hf/proof.py", "hf/sweep.py")
 SUPPORT_TABLE = ("docs/support.md lists the model types proven on each transformers release")
 
@@ -215,12 +221,13 @@ class _DropRecords(logging.Filter):
 
 @contextlib.contextmanager
 def _isolated(dev: torch.device):
-    """Forked RNG (CPU's, and ``dev``'s), grad on, ``dev`` and float32 defaults (the caller's
-    restored), warnings and transformers' notes silenced, our logs about the tiny copy held
-    back."""
+    """The caller's context set aside (:func:`~.clean_context.clean_context`: grad, inference
+    mode, autocast, modes, determinism, RNG, "once" caches), warnings and transformers' notes
+    silenced, our logs about the tiny copy held back; all as found afterwards."""
     from transformers.utils import logging as hf_logging
 
-    dtype = torch.get_default_dtype()
+    from .clean_context import clean_context
+
     verbosity = hf_logging.get_verbosity()
     quiet = _DropRecords()
     ours = [logging.getLogger(n) for n in ("fused_ce_patch.hf.patch", "fused_ce_patch.hf.trl",
@@ -230,17 +237,7 @@ def _isolated(dev: torch.device):
         hf_logging.set_verbosity_error()  # the tiny config's notes are not about the user's model
         for lg in ours:
             lg.addFilter(quiet)
-        torch.set_default_dtype(torch.float32)  # a tiny model as transformers builds it
-        # CPU (or the retry's device) whatever the caller's default device
-        rng = torch.random.fork_rng(devices=[])
-        if dev.type != "cpu":
-            try:
-                index = dev.index if dev.index is not None else \
-                    getattr(torch, dev.type).current_device()
-                rng = torch.random.fork_rng(devices=[index], device_type=dev.type)
-            except (AttributeError, RuntimeError, TypeError):
-                pass  # a device type without per-index RNG state: its generator is not forked
-        with rng, torch.enable_grad(), torch.device(dev), warnings.catch_warnings():
+        with clean_context(dev, proving), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
@@ -248,7 +245,6 @@ def _isolated(dev: torch.device):
         for lg in ours:
             lg.removeFilter(quiet)
         hf_logging.set_verbosity(verbosity)
-        torch.set_default_dtype(dtype)
 
 
 #: ``(apply_fused_ce, revert_fused_ce)``, registered by :mod:`.patch` when it is imported (the
@@ -546,11 +542,16 @@ def ensure_proven(cls: type, spec, model_type: str | None = None, device=None) -
     if row is None:
         key = disk_key(cls, spec, model_type)
         row = _read_disk(key) if key is not None else None
+        context = []
         if row is None:
+            context = caller_context()
             row = prove(cls, spec, model_type, device)
             if row["status"] == "pass" and key is not None:
                 _write_disk(key, row)
-        _MEMO[memo_key] = row
+        if row["status"] == "pass" or not context:
+            # The proof sets the caller's context aside; a refusal seen inside one is still
+            # not remembered, so a later call outside it proves again.
+            _MEMO[memo_key] = row
     if row["status"] == "pass":
         return
     what = f"{cls.__name__} (model_type {model_type!r})" if model_type else cls.__name__
