@@ -86,6 +86,12 @@ def _prepare(config, depth=0):
     return config
 
 
+def _put(config, key, value):
+    """Set without the config's per-assignment validation (a strict dataclass checks each
+    field against the others as it is set; the shrunk copy is consistent only when done)."""
+    object.__setattr__(config, key, value)
+
+
 def _get(config, key):
     return vars(config).get(key)
 
@@ -93,7 +99,10 @@ def _get(config, key):
 def _set_if_larger(config, key, value):
     old = _get(config, key)
     if isinstance(old, int) and not isinstance(old, bool) and old > value:
-        setattr(config, key, value)
+        _put(config, key, value)
+    elif isinstance(old, list) and old and all(isinstance(v, int) and not isinstance(v, bool)
+                                               for v in old):
+        _put(config, key, [min(v, value) for v in old])  # a per-layer width
 
 
 def _shrink_layers(config):
@@ -110,18 +119,25 @@ def _shrink_layers(config):
             if t not in seen:
                 seen.add(t)
                 keep = max(keep, i + 1)
+    shared = _get(config, "num_kv_shared_layers")
+    if isinstance(shared, int) and 0 < shared < n:
+        # Gemma-3n: the last layers reuse the KV of earlier ones of their type; as many
+        # shared as owning ones, each half holding every layer type
+        keep *= 2
     keep = min(n, keep)
     if keep >= n:
         return
-    setattr(config, key, keep)
+    if isinstance(shared, int) and 0 < shared < n:
+        _put(config, "num_kv_shared_layers", keep // 2)
+    _put(config, key, keep)
     for k, value in list(vars(config).items()):
         if isinstance(value, list) and len(value) == n:
-            setattr(config, k, value[:keep])  # per-layer settings
+            _put(config, k, value[:keep])  # per-layer settings
         elif (isinstance(value, list) and k.endswith("_layers") and value
               and all(isinstance(i, int) and not isinstance(i, bool) for i in value)):
-            setattr(config, k, [i for i in value if i < keep] or value[:1])  # layer indices
+            _put(config, k, [i for i in value if i < keep] or value[:1])  # layer indices
     if isinstance(_get(config, "first_k_dense_replace"), int) and config.first_k_dense_replace:
-        config.first_k_dense_replace = min(config.first_k_dense_replace, keep - 1)
+        _put(config, "first_k_dense_replace", min(config.first_k_dense_replace, keep - 1))
 
 
 def _shrink_heads(config):
@@ -133,26 +149,41 @@ def _shrink_heads(config):
         new = heads
     else:
         new = HEADS
-        setattr(config, hkey, new)
+        _put(config, hkey, new)
     kvkey = next((k for k in _KV_HEADS if isinstance(_get(config, k), int)), None)
     if kvkey is not None:
         kv = _get(config, kvkey)
         if kv >= heads:
-            setattr(config, kvkey, new)  # MHA (and MLA) stay MHA
+            _put(config, kvkey, new)  # MHA (and MLA) stay MHA
         elif kv == 1:
             pass  # MQA stays MQA
         else:
-            setattr(config, kvkey, 2 if new % 2 == 0 and new > 2 else 1)
+            _put(config, kvkey, 2 if new % 2 == 0 and new > 2 else 1)
     head_dim = _get(config, "head_dim")
     if isinstance(head_dim, int) and head_dim > HEAD_DIM:
-        config.head_dim = HEAD_DIM
+        _put(config, "head_dim", HEAD_DIM)
+
+
+def _shrink_ssm_heads(config, before):
+    """Mamba-2's ``num_heads * head_dim == expand * hidden_size`` kept where it held."""
+    heads, dim, expand = (vars(config).get(k) for k in ("num_heads", "head_dim", "expand"))
+    hidden = vars(config).get("hidden_size")
+    if not all(isinstance(v, int) for v in (heads, dim, expand, hidden)):
+        return
+    if before.get("num_heads", 0) * before.get("head_dim", 0) == \
+            before.get("expand", 0) * before.get("hidden_size", -1) and \
+            (expand * hidden) % dim == 0:
+        _put(config, "num_heads", expand * hidden // dim)
+        groups = vars(config).get("n_groups")
+        if isinstance(groups, int) and groups > 1 and config.num_heads % groups:
+            _put(config, "n_groups", 1)
 
 
 def _shrink_experts(config):
     ekey = next((k for k in _EXPERTS if isinstance(_get(config, k), int)), None)
     if ekey is None or _get(config, ekey) <= 4:
         return
-    setattr(config, ekey, 4)
+    _put(config, ekey, 4)
     for k in _TOP_K:
         _set_if_larger(config, k, 2)
     for k in ("n_group", "topk_group"):
@@ -163,14 +194,14 @@ def _shrink_vocab(config):
     vocab = _get(config, "vocab_size")
     if not isinstance(vocab, int) or vocab <= VOCAB:
         return
-    config.vocab_size = VOCAB
+    _put(config, "vocab_size", VOCAB)
     for key, value in list(vars(config).items()):
         if key.endswith(("_token_id", "_token_index")) and isinstance(value, int) \
                 and value >= VOCAB:
-            setattr(config, key, VOCAB - 1 - (int(hashlib.sha256(key.encode()).hexdigest(), 16)
+            _put(config, key, VOCAB - 1 - (int(hashlib.sha256(key.encode()).hexdigest(), 16)
                                               % 16))
         elif key.endswith("_token_id") and isinstance(value, list):
-            setattr(config, key, [v if v < VOCAB else VOCAB - 1 for v in value])
+            _put(config, key, [v if v < VOCAB else VOCAB - 1 for v in value])
 
 
 def _shrink_rope(config):
@@ -181,9 +212,9 @@ def _shrink_rope(config):
         if sum(section) != half:
             scaled = [max(1, round(x * half / sum(section))) for x in section]
             scaled[0] += half - sum(scaled)
-            config.rope_parameters = {**rope, "mrope_section": scaled}
+            _put(config, "rope_parameters", {**rope, "mrope_section": scaled})
     if isinstance(_get(config, "rotary_dim"), int) and config.rotary_dim > 8:
-        config.rotary_dim = 8
+        _put(config, "rotary_dim", 8)
 
 
 def shrunk(config, depth: int = 0):
@@ -201,8 +232,9 @@ def shrunk(config, depth: int = 0):
     for key in ("qk_rope_head_dim", "v_head_dim"):
         if "head_dim" in before and before["head_dim"] == before.get(key) and \
                 isinstance(vars(config).get("head_dim"), int):
-            config.head_dim = vars(config)[key]
+            _put(config, "head_dim", vars(config)[key])
             break
+    _shrink_ssm_heads(config, before)
     _shrink_experts(config)
     _shrink_vocab(config)
     _shrink_rope(config)
