@@ -207,6 +207,8 @@ def write_record(rows, path=None) -> None:
     version = transformers.__version__
     for row in rows:
         entry = {k: row[k] for k in _KEEP if k in row}
+        if row.get("config") not in (None, "the class's default config"):
+            entry["config"] = row["config"]  # proven on the default config shrunk, not tiny.py's
         if "defining_class" in entry:  # the class whose forward source was rewritten
             entry["class"], entry["registry_class"] = entry.pop("defining_class"), row["class"]
         data["types"].setdefault(row["type"], {})[version] = entry
@@ -290,7 +292,8 @@ def support_table(data: dict) -> str:
         cells = []
         for v in versions:
             r = rows.get(v)
-            cells.append("—" if r is None else ("pass" if r.get("status") == "pass" else "refused"))
+            cells.append("—" if r is None else
+                         ("pass" if r.get("status") == "pass" else "refused"))
             if r is not None and r.get("status") != "pass":
                 refused.append((model_type, v, r.get("reason", r.get("status")),
                                 r.get("status")))
