@@ -317,7 +317,8 @@ def _stock_failed(row: dict) -> bool:
 
 
 def _build_and_run_stock(cls, config, dev, class_patched):
-    """The tiny stock model of ``config`` on ``dev``, its batches and stock results.
+    """A copy of the tiny stock model of ``config`` on ``dev`` (made before the stock run, for
+    patching), its batches, dtype and the stock results.
 
     Raises:
         _Unbuildable: the model cannot be built ("tiny model: ...") or its stock forward
@@ -340,8 +341,9 @@ def _build_and_run_stock(cls, config, dev, class_patched):
                           for k, v in batch.items()} for name, batch in batches.items()}
     for dtype in (torch.float64, torch.float32):
         stock = base.to(dtype)
+        patched = copy.deepcopy(stock)  # before the stock run: no state of it is copied
         try:
-            return stock, batches, dtype, _run_stock(stock, batches, class_patched)
+            return patched, batches, dtype, _run_stock(stock, batches, class_patched)
         except _Unbuildable:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -405,9 +407,8 @@ def _prove_config(cls, model_type, dev, cfg, class_patched, label, last) -> dict
             cfg = _config_for(cls, model_type)
         except Exception as exc:  # noqa: BLE001
             raise _Unbuildable(f"tiny model: {type(exc).__name__}: {_short(exc)}") from None
-    stock, batches, dtype, want = _build_and_run_stock(cls, cfg, dev, class_patched)
+    patched, batches, dtype, want = _build_and_run_stock(cls, cfg, dev, class_patched)
     row = {"status": "error", "reason": "", "dtype": str(dtype).replace("torch.", "")}
-    patched = copy.deepcopy(stock)
     try:
         try:
             apply_fused_ce(patched, backend="torch", _verified=True)
