@@ -119,6 +119,11 @@ def _check(model_type, class_name, torch):
                     "your config", "the class's default config as a user's")
                 again["tiny_reason"] = row.get("reason")
                 row = again
+            else:  # both reasons: the tiny builder's and the default config's own
+                mine = [part.replace("(your config", "(the default config")
+                        for part in again.get("reason", "").split("; ")
+                        if "(your config" in part]
+                row["reason"] = "; ".join([row.get("reason", ""), *mine])
     row.pop("seconds", None)  # check_type times the whole row
     out.update(row)
     return out
