@@ -17,12 +17,13 @@ pip install -q -e . pillow einops  # the record was made with both (image proces
 export OMP_NUM_THREADS=1
 newest=$(pip index versions transformers 2>/dev/null | sed -n 's/^transformers (\(.*\))$/\1/p')
 status=0
-for version in 5.17.0 5.21.1 "${newest:-5.24.0}"; do
+for version in 5.17.0 5.21.1 "${newest:-5.25.0}"; do
     # torch pinned: never swapped. A newest release whose dependencies the registry lacks
-    # (5.25.0 needs kernels>=0.19.1, 2026-12-02) cannot be tested here: say so, use 5.24.0.
+    # (5.25.0 needed kernels>=0.19.1, missing 2026-12-02) cannot be tested here: say so, use
+    # the newest recorded one (5.25.0, recorded 2026-12-04).
     if ! pip install -q "transformers==$version" torch==2.13.0; then
-        echo "+ transformers $version: not installable from the registry; sweeping 5.24.0 instead"
-        version=5.24.0
+        echo "+ transformers $version: not installable from the registry; sweeping 5.25.0 instead"
+        version=5.25.0
         pip install -q "transformers==$version" torch==2.13.0
     fi
     echo "+ transformers $version: python -m fused_ce_patch.hf.sweep --check"

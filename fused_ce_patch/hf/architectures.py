@@ -210,6 +210,45 @@ def _transform_op(stmt, name):
     return None
 
 
+def _one_line_softcap(stmt, name):
+    """``E`` of ``name = <tanh>(name / E) * E`` (``torch.tanh`` / ``nn.functional.tanh``),
+    else None."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+            and _is_name(stmt.targets[0], name)):
+        return None
+    value = stmt.value
+    if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult)
+            and isinstance(value.left, ast.Call) and not _mentions(value.right, name)):
+        return None
+    call = value.left
+    if not (isinstance(call.func, ast.Attribute) and call.func.attr == "tanh"
+            and len(call.args) == 1 and not call.keywords):
+        return None
+    inner = call.args[0]
+    if not (isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Div)
+            and _is_name(inner.left, name) and ast.dump(inner.right) == ast.dump(value.right)):
+        return None
+    return value.right
+
+
+def _plain_local(stmt, name, ops, before) -> bool:
+    """``X = <names, attributes and constants>``: a read with no effect, not of the logits,
+    whose ``X`` no earlier op uses and the code before the head never binds."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+            and isinstance(stmt.targets[0], ast.Name)):
+        return False
+    target = stmt.targets[0].id
+    if target in (name, "loss") or _mentions(stmt.value, name):
+        return False
+    if not all(isinstance(n, (ast.Name, ast.Attribute, ast.Constant, ast.Load))
+               for n in ast.walk(stmt.value)):
+        return False
+    if any(expr is not None and _mentions(expr, target) for _, expr in ops):
+        return False
+    return not any(isinstance(n, ast.Name) and n.id == target and isinstance(n.ctx, ast.Store)
+                   for s in before for n in ast.walk(s))
+
+
 def _is_float_of(node, name) -> bool:
     """``name.float()`` (a no-op for the loss: ForCausalLMLoss upcasts to float32 anyway)."""
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
@@ -325,7 +364,7 @@ def _derive(klass: type, stock) -> ArchSpec:
         raise UnsupportedModelError(f"{where}: more than one self.loss_function call")
 
     # The transform statements between head and loss.
-    ops, new_between = list(head_ops), []
+    ops, new_between, locals_before = list(head_ops), [], []
     for stmt in body[head_at + 1:loss_at]:
         if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
                 and _is_name(stmt.targets[0], "loss") and isinstance(stmt.value, ast.Constant)
@@ -335,6 +374,15 @@ def _derive(klass: type, stock) -> ArchSpec:
         op = _transform_op(stmt, name)
         if op is not None:
             ops.append(op)
+            continue
+        cap = _one_line_softcap(stmt, name)
+        if cap is not None:  # `logits = tanh(logits / E) * E` (RecurrentGemma)
+            ops += [("div", cap), ("tanh", None), ("mul", cap)]
+            continue
+        if _plain_local(stmt, name, ops, body[:head_at]):
+            # `cap = self.config.logits_soft_cap`: a read with no effect, run before the
+            # recorded ops that use it
+            locals_before.append(stmt)
             continue
         cond = _conditional_ops(stmt, name, where)
         if cond is not None:
@@ -407,6 +455,7 @@ def _derive(klass: type, stock) -> ArchSpec:
         _assign(name, _call(DEFER, ast.Name(id="self", ctx=ast.Load()),
                             ast.Attribute(value=ast.Name(id="self", ctx=ast.Load()),
                                           attr=head_attr, ctx=ast.Load()), arg)),
+        *locals_before,
         *recorded,
         *new_between,
         loss_stmt,

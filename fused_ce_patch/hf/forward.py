@@ -135,9 +135,14 @@ def class_forward(cls: type):
 
 
 def warn_stock_path(model, reason: str) -> None:
-    """One ``RuntimeWarning`` per (class, reason) and process: this call runs as stock."""
+    """One ``RuntimeWarning`` per (class, reason) and process: this call runs as stock.
+
+    Not while the proof runs its copies of the model (:func:`~.proof.proving`): the warning is
+    kept for the user's own call."""
+    from .proof import proving
+
     key = (type(model).__qualname__, reason)
-    if key in _WARNED:
+    if key in _WARNED or proving():
         return
     _WARNED.add(key)
     warnings.warn(

@@ -159,8 +159,9 @@ def _supported_list() -> str:
 
 def _spec_for(model: nn.Module) -> ArchSpec:
     """The derived spec of ``model``'s class, refusing anything the proof does not pass."""
-    return spec_for_class(type(model), getattr(getattr(model, "config", None), "model_type", None),
-                          device=model_device(model))
+    config = getattr(model, "config", None)
+    return spec_for_class(type(model), getattr(config, "model_type", None),
+                          device=model_device(model), config=config)
 
 
 def model_device(model) -> torch.device | None:
@@ -172,12 +173,13 @@ def model_device(model) -> torch.device | None:
 
 
 def spec_for_class(cls: type, model_type: str | None = None, *, check_verified: bool = True,
-                   device=None):
+                   device=None, config=None):
     """Derive ``cls``'s spec (:func:`~.architectures.derive_spec`) and prove it on this machine.
 
     With ``check_verified`` the patched copy is compared with the live stock class on a tiny
     model (:func:`~.proof.ensure_proven`, cached per process and on disk); on the CPU, and again
-    on ``device`` (the model's) where the stock forward cannot run on the CPU.
+    on ``device`` (the model's) where the stock forward cannot run on the CPU; built from
+    ``config`` (the instance's) where given, else from the class's default config.
 
     Raises:
         UnsupportedModelError: not a transformers causal LM, a forward of unknown shape, or a
@@ -211,7 +213,7 @@ def spec_for_class(cls: type, model_type: str | None = None, *, check_verified: 
         ) from None
     if not check_verified:
         return spec
-    proof.ensure_proven(cls, spec, model_type, device)
+    proof.ensure_proven(cls, spec, model_type, device, config)
     return spec
 
 
@@ -332,7 +334,8 @@ def apply_fused_ce(
         )
     # _verified: only the parity sweep, which is what does the verifying, skips the proof.
     spec = spec_for_class(type(target), getattr(target.config, "model_type", None),
-                          check_verified=not _verified, device=model_device(target))
+                          check_verified=not _verified, device=model_device(target),
+                          config=target.config)
     stock = _stock_forward(type(target), spec)
     head = target.get_output_embeddings()
     if getattr(target, spec.head_attr, None) is not head:

@@ -14,10 +14,14 @@ The tiny model runs on the CPU; where its stock forward cannot (a device-only ke
 into the modeling module, such as Liger-Kernel's Triton RMSNorm), the proof runs again on the
 user's model's device (:func:`prove`).
 
-Nothing outside the proof notices it: torch's RNG is forked (the user's stream is not consumed),
-grad mode, the default dtype, warning filters and transformers' log verbosity are left as
-found, the package's own log records about the tiny copy are held back by a filter removed
-afterwards, and the tiny patched copy is reverted.
+The proof runs in a clean context whatever the caller's (:mod:`.clean_context`): grad enabled,
+outside ``inference_mode``, autocast, deterministic algorithms, function and dispatch modes,
+float32 default dtype; and nothing outside it notices it: the random streams (torch CPU and
+CUDA, Python's, NumPy's) are restored, grad mode, the default dtype, warning filters,
+transformers' log verbosity and its ``warning_once`` caches are left as found, the package's
+own log records about the tiny copy are held back by a filter removed afterwards, and the tiny
+patched copy is reverted. A refusal seen while the caller had such a context set is not kept
+in the process's memo.
 
 Results are kept per process (key: the class, its spec's fingerprint, the forward as bound and
 the causal-LM loss objects in force) and, for passes only, on disk under
@@ -52,6 +56,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UnsupportedModelError
+from .clean_context import caller_context
 
 __all__ = ["ensure_proven", "prove", "proving", "cache_dir", "disk_key", "clear_memo"]
 
@@ -71,6 +76,7 @@ CACHE_ENV = "FUSED_CE_CACHE_DIR"
 PROOF_FORMAT = 1
 #: Our modules whose code decides the fused number (hashed into the disk key).
 _OWN_SOURCES = ("hf/architectures.py", "hf/forward.py", "hf/head.py", "loss.py",
+                "hf/clean_context.py", "hf/tiny.py", "hf/live_config.py",
                 "hf/proof.py", "hf/sweep.py")
 SUPPORT_TABLE = ("docs/support.md lists the model types proven on each transformers release")
 
@@ -162,8 +168,9 @@ def _run_stock(model, batches, class_patched):
     return results
 
 
-def _compare(model, batches, want, dtype):
-    """Run the patched copy; None when it matches ``want``, else the first difference."""
+def _compare(model, batches, want, dtype, fused=True):
+    """Run the patched copy; None when it matches ``want``, else the first difference.
+    ``fused=False``: the copy must match without the fused path (the stock path it took)."""
     from .sentinel import NotMaterializedLogits
 
     loss_tol, grad_tol = TOLERANCES[dtype]
@@ -172,7 +179,7 @@ def _compare(model, batches, want, dtype):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(1)
         out = model(**batch)
-        if not isinstance(out.logits, NotMaterializedLogits):
+        if fused and not isinstance(out.logits, NotMaterializedLogits):
             return f"{name}: the fused path did not run (outputs.logits is real)", worst
         want_loss, want_aux, want_grads = want[name]
         if out.loss is None:
@@ -215,12 +222,13 @@ class _DropRecords(logging.Filter):
 
 @contextlib.contextmanager
 def _isolated(dev: torch.device):
-    """Forked RNG (CPU's, and ``dev``'s), grad on, ``dev`` and float32 defaults (the caller's
-    restored), warnings and transformers' notes silenced, our logs about the tiny copy held
-    back."""
+    """The caller's context set aside (:func:`~.clean_context.clean_context`: grad, inference
+    mode, autocast, modes, determinism, RNG, "once" caches), warnings and transformers' notes
+    silenced, our logs about the tiny copy held back; all as found afterwards."""
     from transformers.utils import logging as hf_logging
 
-    dtype = torch.get_default_dtype()
+    from .clean_context import clean_context
+
     verbosity = hf_logging.get_verbosity()
     quiet = _DropRecords()
     ours = [logging.getLogger(n) for n in ("fused_ce_patch.hf.patch", "fused_ce_patch.hf.trl",
@@ -230,17 +238,7 @@ def _isolated(dev: torch.device):
         hf_logging.set_verbosity_error()  # the tiny config's notes are not about the user's model
         for lg in ours:
             lg.addFilter(quiet)
-        torch.set_default_dtype(torch.float32)  # a tiny model as transformers builds it
-        # CPU (or the retry's device) whatever the caller's default device
-        rng = torch.random.fork_rng(devices=[])
-        if dev.type != "cpu":
-            try:
-                index = dev.index if dev.index is not None else \
-                    getattr(torch, dev.type).current_device()
-                rng = torch.random.fork_rng(devices=[index], device_type=dev.type)
-            except (AttributeError, RuntimeError, TypeError):
-                pass  # a device type without per-index RNG state: its generator is not forked
-        with rng, torch.enable_grad(), torch.device(dev), warnings.catch_warnings():
+        with clean_context(dev, proving), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
@@ -248,7 +246,6 @@ def _isolated(dev: torch.device):
         for lg in ours:
             lg.removeFilter(quiet)
         hf_logging.set_verbosity(verbosity)
-        torch.set_default_dtype(dtype)
 
 
 #: ``(apply_fused_ce, revert_fused_ce)``, registered by :mod:`.patch` when it is imported (the
@@ -261,7 +258,7 @@ def register_patcher(apply, revert) -> None:
     _PATCHER[:] = [apply, revert]
 
 
-def prove(cls: type, spec, model_type: str | None = None, device=None) -> dict:
+def prove(cls: type, spec, model_type: str | None = None, device=None, config=None) -> dict:
     """Compare ``cls``'s live stock forward with the patched copy on a tiny random model.
 
     The tiny model runs on the CPU. Where its stock forward cannot run there (a module the
@@ -275,11 +272,16 @@ def prove(cls: type, spec, model_type: str | None = None, device=None) -> dict:
         spec: its :class:`~fused_ce_patch.hf.architectures.ArchSpec` (already derived).
         model_type: ``config.model_type`` of the user's model; None: ``cls.config_class``'s.
         device: the user's model's device (``torch.device`` or str), or None.
+        config: the user's model's ``config`` (None for a class-level patch): the tiny model is
+            built from it (:mod:`.live_config`: as it is when small, else shrunk), and from the
+            class's default config only where that does not build or run.
 
     Returns:
         A result row: ``status`` (``"pass"``; ``"fail"``: the numbers differ; ``"unbuildable"``:
         no tiny model could be built or run stock; ``"unsupported"``: apply_fused_ce refused the
-        copy; ``"error"``: the fused copy raised), ``reason`` (all but pass), ``dtype``,
+        copy; ``"error"``: the fused copy raised), ``reason`` (all but pass), ``config`` (which
+        config the model was built from), ``fallback_from`` (the reasons of the configs tried
+        before it), ``dtype``,
         ``loss_rel_err`` / ``grad_rel_err`` (worst seen) and ``seconds``. Never raises for a
         model-specific problem.
 
@@ -287,12 +289,12 @@ def prove(cls: type, spec, model_type: str | None = None, device=None) -> dict:
     """
     if not _PATCHER:
         raise RuntimeError("fused_ce_patch.hf.proof needs fused_ce_patch.hf.patch imported")
-    row = _prove_on(cls, spec, model_type, torch.device("cpu"))
+    row = _prove_on(cls, spec, model_type, torch.device("cpu"), config)
     dev = _retry_device(device)
     if dev is not None and _stock_failed(row):
         cpu_reason = row["reason"]
         try:
-            row = _prove_on(cls, spec, model_type, dev)
+            row = _prove_on(cls, spec, model_type, dev, config)
         except Exception as exc:  # noqa: BLE001 - the retry itself could not be set up
             row = {"status": "unbuildable", "reason": f"{type(exc).__name__}: {_short(exc)}"}
         row.update(device=str(dev), cpu_reason=cpu_reason)
@@ -311,72 +313,127 @@ def _retry_device(device) -> torch.device | None:
 
 def _stock_failed(row: dict) -> bool:
     """Whether the tiny stock model was built but its forward raised (see :func:`prove`)."""
-    return row["status"] == "unbuildable" and row.get("reason", "").startswith("stock forward")
+    return row["status"] == "unbuildable" and "stock forward" in row.get("reason", "")
 
 
-def _prove_on(cls: type, spec, model_type: str | None, dev: torch.device) -> dict:
-    """:func:`prove` on one device."""
+def _build_and_run_stock(cls, config, dev, class_patched):
+    """A copy of the tiny stock model of ``config`` on ``dev`` (made before the stock run, for
+    patching), its batches, dtype and the stock results.
+
+    Raises:
+        _Unbuildable: the model cannot be built ("tiny model: ...") or its stock forward
+            raised in float64 and float32 ("stock forward: ...").
+    """
     from .tiny import _batches
 
-    apply_fused_ce, revert_fused_ce = _PATCHER
+    torch.manual_seed(0)
+    if isinstance(config, Exception):
+        raise _Unbuildable(f"tiny model: {type(config).__name__}: {_short(config)}")
+    try:
+        base = cls(config)
+    except Exception as exc:  # noqa: BLE001 - any failure is a reason to report
+        raise _Unbuildable(f"tiny model: {type(exc).__name__}: {_short(exc)}") from None
+    base.train()
+    with torch.device("cpu"):  # the batches come from a CPU generator
+        batches = _batches(config, torch)
+    if dev.type != "cpu":
+        batches = {name: {k: v.to(dev) if isinstance(v, torch.Tensor) else v
+                          for k, v in batch.items()} for name, batch in batches.items()}
+    for dtype in (torch.float64, torch.float32):
+        stock = base.to(dtype)
+        patched = copy.deepcopy(stock)  # before the stock run: no state of it is copied
+        try:
+            return patched, batches, dtype, _run_stock(stock, batches, class_patched)
+        except _Unbuildable:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            if dtype is torch.float32:
+                raise _Unbuildable(f"stock forward: {type(exc).__name__}: "
+                                   f"{_short(exc)}") from None
+    raise AssertionError("unreachable")
+
+
+class _SteppedAside(Exception):
+    """The patched copy took the stock path on every batch of a live config (e.g. Gemma-2's
+    negative softcap) with stock's numbers: the fused path is proven on the next config."""
+
+
+def _prove_on(cls: type, spec, model_type: str | None, dev: torch.device,
+              config=None) -> dict:
+    """:func:`prove` on one device: on the live ``config``'s candidates
+    (:func:`~.live_config.candidates`), then the class default, the first whose stock model
+    builds and runs (and whose patched copy takes the fused path)."""
+    from .live_config import candidates
+
     start = time.perf_counter()
     row: dict = {"status": "error", "reason": ""}
-    patched = None
     with _isolated(dev):
-        try:
-            torch.manual_seed(0)
+        class_patched = _uses_patched_class_forward(cls)
+        tried = candidates(cls, config) if config is not None else []
+        tried.append(("the class's default config", None))
+        failures = []
+        for i, (label, cfg) in enumerate(tried):
+            last = i == len(tried) - 1
             try:
-                config = _config_for(cls, model_type)
-                base = cls(config)
-            except Exception as exc:  # noqa: BLE001 - any failure is a reason to report
-                raise _Unbuildable(f"tiny model: {type(exc).__name__}: "
-                                   f"{_short(exc)}") from None
-            base.train()
-            with torch.device("cpu"):  # the batches come from a CPU generator
-                batches = _batches(config, torch)
-            if dev.type != "cpu":
-                batches = {name: {k: v.to(dev) if isinstance(v, torch.Tensor) else v
-                                  for k, v in batch.items()} for name, batch in batches.items()}
-            class_patched = _uses_patched_class_forward(cls)
-            want = None
-            for dtype in (torch.float64, torch.float32):
-                stock = base.to(dtype)
-                patched = copy.deepcopy(stock)
-                try:
-                    want = _run_stock(stock, batches, class_patched)
-                    break
-                except _Unbuildable:
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    if dtype is torch.float32:
-                        raise _Unbuildable(f"stock forward: {type(exc).__name__}: "
-                                           f"{_short(exc)}") from None
-            row["dtype"] = str(dtype).replace("torch.", "")
-            try:
-                apply_fused_ce(patched, backend="torch", _verified=True)
-            except UnsupportedModelError as exc:
-                row.update(status="unsupported", reason=_short(exc, 400))
-                return row
-            try:
-                reason, worst = _compare(patched, batches, want, dtype)
-            except Exception as exc:  # noqa: BLE001
-                row.update(status="error", reason=f"the fused copy raised "
-                           f"{type(exc).__name__}: {_short(exc)}")
-                return row
-            row.update(loss_rel_err=worst["loss"], grad_rel_err=worst["grad"])
-            if reason is None:
-                row["status"] = "pass"
-            else:
-                row.update(status="fail", reason=f"{row['dtype']} {reason}")
-        except _Unbuildable as exc:
-            row.update(status="unbuildable", reason=str(exc))
-        finally:
-            if patched is not None:
-                revert_fused_ce(patched)
-            row["seconds"] = round(time.perf_counter() - start, 3)
-    if not row["reason"]:
-        del row["reason"]
+                row = _prove_config(cls, model_type, dev, cfg, class_patched,
+                                    label if config is not None else None, last)
+                row["config"] = label
+                break
+            except _Unbuildable as exc:
+                failures.append(f"{exc} ({label})" if len(tried) > 1 else str(exc))
+            except _SteppedAside as exc:
+                failures.append(f"{exc} ({label})")
+        else:
+            row = {"status": "unbuildable", "reason": "; ".join(failures)}
+        if failures and row["status"] != "unbuildable":
+            row["fallback_from"] = "; ".join(failures)
+        row["seconds"] = round(time.perf_counter() - start, 3)
+    if not row.get("reason"):
+        row.pop("reason", None)
     return row
+
+
+def _prove_config(cls, model_type, dev, cfg, class_patched, label, last) -> dict:
+    """Stock against patched on one config (None: the class default); a result row.
+
+    Raises:
+        _Unbuildable: no stock model of ``cfg`` builds or runs.
+        _SteppedAside: ``cfg`` is not the last candidate and the patched copy took the stock
+            path with stock's numbers.
+    """
+    apply_fused_ce, revert_fused_ce = _PATCHER
+    if cfg is None:
+        try:
+            cfg = _config_for(cls, model_type)
+        except Exception as exc:  # noqa: BLE001
+            raise _Unbuildable(f"tiny model: {type(exc).__name__}: {_short(exc)}") from None
+    patched, batches, dtype, want = _build_and_run_stock(cls, cfg, dev, class_patched)
+    row = {"status": "error", "reason": "", "dtype": str(dtype).replace("torch.", "")}
+    try:
+        try:
+            apply_fused_ce(patched, backend="torch", _verified=True)
+        except UnsupportedModelError as exc:
+            row.update(status="unsupported", reason=_short(exc, 400))
+            return row
+        try:
+            reason, worst = _compare(patched, batches, want, dtype)
+        except Exception as exc:  # noqa: BLE001
+            row.update(status="error", reason=f"the fused copy raised "
+                       f"{type(exc).__name__}: {_short(exc)}")
+            return row
+        if reason is not None and "the fused path did not run" in reason and not last:
+            with_stock_path = _compare(patched, batches, want, dtype, fused=False)[0]
+            if with_stock_path is None:
+                raise _SteppedAside("the patched copy took the stock path, as stock")
+        row.update(loss_rel_err=worst["loss"], grad_rel_err=worst["grad"])
+        if reason is None:
+            row["status"] = "pass"
+        else:
+            row.update(status="fail", reason=f"{row['dtype']} {reason}"
+                       + (f" ({label})" if label else ""))
+        return row
+    finally:
+        revert_fused_ce(patched)
 
 
 def _short(exc, limit: int = 200) -> str:
@@ -444,11 +501,13 @@ def _loss_objects():
     return loss_utils.LOSS_MAPPING.get("ForCausalLM"), loss_utils.ForCausalLMLoss
 
 
-def _memo_key(cls: type, spec):
+def _memo_key(cls: type, spec, config=None):
+    from .live_config import fingerprint
     from .registry import stock_forward_of
 
+    facts = None if config is None else (fingerprint(config) or ("unhashable", id(config)))
     return (cls, getattr(spec, "fingerprint", spec.source_hash), stock_forward_of(cls.forward),
-            *_loss_objects())
+            *_loss_objects(), facts)
 
 
 def _versions() -> dict:
@@ -458,15 +517,22 @@ def _versions() -> dict:
             "transformers": transformers.__version__}
 
 
-def disk_key(cls: type, spec, model_type: str | None) -> str | None:
+def disk_key(cls: type, spec, model_type: str | None, config=None) -> str | None:
     """The file name (sha256) of ``cls``'s proof on disk, or None when some input has no source.
 
     Covers the Python, torch and transformers versions, the class's module file, each function
     of its forward chain, the spec's fingerprint, the model type, the source of the causal-LM
     loss in force (``LOSS_MAPPING["ForCausalLM"]``, ``ForCausalLMLoss``,
-    ``fixed_cross_entropy``) and this package's own fused-path sources.
+    ``fixed_cross_entropy``), this package's own fused-path sources and, for an instance's
+    proof, the fingerprint of its ``config`` (:func:`~.live_config.fingerprint`).
     """
     from transformers.loss import loss_utils
+
+    from .live_config import fingerprint
+
+    facts = fingerprint(config) if config is not None else None
+    if config is not None and facts is None:
+        return None
 
     try:
         module_file = Path(sys.modules[cls.__module__].__file__).read_bytes()
@@ -487,6 +553,7 @@ def disk_key(cls: type, spec, model_type: str | None) -> str | None:
         "forward_chain": chain,
         "loss": [_sha(s) for s in loss_sources],
         "own": own,
+        "config": facts,
     }
     return _sha(json.dumps(material, sort_keys=True))
 
@@ -517,7 +584,8 @@ def _write_disk(key: str, row: dict) -> None:
 # -- the gate ------------------------------------------------------------------------------------
 
 
-def ensure_proven(cls: type, spec, model_type: str | None = None, device=None) -> None:
+def ensure_proven(cls: type, spec, model_type: str | None = None, device=None,
+                  config=None) -> None:
     """Prove ``cls`` on this machine (or find the proof cached), or refuse it.
 
     Args:
@@ -526,6 +594,8 @@ def ensure_proven(cls: type, spec, model_type: str | None = None, device=None) -
         model_type: the model's ``config.model_type`` (None: the class config's).
         device: the model's device: where the proof runs again if the tiny stock model cannot
             run on the CPU (:func:`prove`); None: the CPU only.
+        config: the model's ``config``: the proof's model is built from it (:func:`prove`);
+            None (a class-level patch): from the class's default config.
 
     Raises:
         UnsupportedModelError: the patched copy differs from the stock forward (the numbers in
@@ -538,19 +608,24 @@ def ensure_proven(cls: type, spec, model_type: str | None = None, device=None) -
     """
     from .verified import ALLOW_ENV, allow_unverified
 
-    memo_key = _memo_key(cls, spec)
+    memo_key = _memo_key(cls, spec, config)
     row = _MEMO.get(memo_key)
     if row is not None and _stock_failed(row) and "device" not in row and \
             _retry_device(device) is not None:
         row = None  # refused on the CPU alone; the model's device may run the stock forward
     if row is None:
-        key = disk_key(cls, spec, model_type)
+        key = disk_key(cls, spec, model_type, config)
         row = _read_disk(key) if key is not None else None
+        context = []
         if row is None:
-            row = prove(cls, spec, model_type, device)
+            context = caller_context()
+            row = prove(cls, spec, model_type, device, config)
             if row["status"] == "pass" and key is not None:
                 _write_disk(key, row)
-        _MEMO[memo_key] = row
+        if row["status"] == "pass" or not context:
+            # The proof sets the caller's context aside; a refusal seen inside one is still
+            # not remembered, so a later call outside it proves again.
+            _MEMO[memo_key] = row
     if row["status"] == "pass":
         return
     what = f"{cls.__name__} (model_type {model_type!r})" if model_type else cls.__name__

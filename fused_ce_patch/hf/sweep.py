@@ -108,9 +108,38 @@ def _check(model_type, class_name, torch):
            "moe_aux": spec.moe_aux, "source_hash": spec.source_hash,
            "defining_class": spec.class_name}
     row = prove(cls, spec, model_type)  # the very check apply_fused_ce runs (no caches here)
+    if row["status"] == "unbuildable":
+        # Our tiny builder's model did not build or run: prove on the class's default config
+        # as a user's model would be (hf/live_config.py: shrunk with its structure kept).
+        full = _default_config(cls, model_type)
+        if full is not None:
+            again = prove(cls, spec, model_type, config=full)
+            if again["status"] != "unbuildable":
+                again["config"] = again.get("config", "").replace(
+                    "your config", "the class's default config as a user's")
+                again["tiny_reason"] = row.get("reason")
+                row = again
+            else:  # both reasons: the tiny builder's and the default config's own
+                mine = [part.replace("(your config", "(the default config")
+                        for part in again.get("reason", "").split("; ")
+                        if "(your config" in part]
+                row["reason"] = "; ".join([row.get("reason", ""), *mine])
     row.pop("seconds", None)  # check_type times the whole row
     out.update(row)
     return out
+
+
+def _default_config(cls, model_type):
+    """The full-size default config of ``cls`` (the text config under a composite type)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        config = CONFIG_MAPPING[model_type]()
+        if not isinstance(config, cls.config_class) and hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        return config
+    except Exception:  # noqa: BLE001 - no default config: the tiny builder's reason stands
+        return None
 
 
 def run(types=None, jobs=2, progress=True) -> list[dict]:
@@ -183,6 +212,8 @@ def write_record(rows, path=None) -> None:
     version = transformers.__version__
     for row in rows:
         entry = {k: row[k] for k in _KEEP if k in row}
+        if row.get("config") not in (None, "the class's default config"):
+            entry["config"] = row["config"]  # proven on the default config shrunk, not tiny.py's
         if "defining_class" in entry:  # the class whose forward source was rewritten
             entry["class"], entry["registry_class"] = entry.pop("defining_class"), row["class"]
         data["types"].setdefault(row["type"], {})[version] = entry
@@ -266,9 +297,11 @@ def support_table(data: dict) -> str:
         cells = []
         for v in versions:
             r = rows.get(v)
-            cells.append("—" if r is None else ("pass" if r.get("status") == "pass" else "refused"))
+            cells.append("—" if r is None else
+                         ("pass" if r.get("status") == "pass" else "refused"))
             if r is not None and r.get("status") != "pass":
-                refused.append((model_type, v, r.get("reason", r.get("status"))))
+                refused.append((model_type, v, r.get("reason", r.get("status")),
+                                r.get("status")))
         if not any(r.get("status") == "pass" for r in rows.values()):
             continue
         best = next(r for r in rows.values() if r.get("status") == "pass")
@@ -277,13 +310,35 @@ def support_table(data: dict) -> str:
             f"{best.get('transform', '')} | {'yes' if best.get('moe_aux') else ''} | "
             + " | ".join(cells) + " |"
         )
-    lines += ["", "<details><summary>Refused types and reasons</summary>", "",
-              "| type | transformers | reason |", "|---|---|---|"]
-    for model_type, v, reason in refused:
-        reason = str(reason).replace("|", "\\|").replace("\n", " ")[:160]
-        lines.append(f"| {model_type} | {v} | {reason} |")
-    lines += ["", "</details>"]
+    for status, title in REFUSAL_KINDS:
+        rows = [r for r in refused if _kind(r[3]) == status]
+        if not rows:
+            continue
+        lines += ["", f"<details><summary>{title} ({_per_release(rows, versions)})</summary>",
+                  "", "| type | transformers | reason |", "|---|---|---|"]
+        for model_type, v, reason, _ in rows:
+            reason = str(reason).replace("|", "\\|").replace("\n", " ")[:160]
+            lines.append(f"| {model_type} | {v} | {reason} |")
+        lines += ["", "</details>"]
     return "\n".join(lines)
+
+
+#: The refused lists of docs/support.md, by the proof's status.
+REFUSAL_KINDS = (
+    ("unsupported", "Refused by the patch: it cannot express this forward"),
+    ("different", "Refused: the patched forward differs from stock, or raised"),
+    ("unbuildable", "Not proven: no stock model built from the class's default config trains "
+                    "here (a model from your own config is proven on it)"),
+)
+
+
+def _kind(status) -> str:
+    return status if status in ("unsupported", "unbuildable") else "different"
+
+
+def _per_release(rows, versions) -> str:
+    return ", ".join(f"{v}: {n}" for v in versions
+                     if (n := sum(r[1] == v for r in rows)))
 
 
 def _write_between(path, begin: str, end: str, body: str) -> bool:

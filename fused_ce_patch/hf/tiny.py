@@ -155,9 +155,19 @@ def _fix_layer_lists(config, depth=0):
                 pass
 
 
+def _vocab(config) -> int:
+    """The text vocabulary of ``config`` (at most :data:`VOCAB`: the ids drawn)."""
+    try:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    except Exception:  # noqa: BLE001 - a composite config without a text part
+        text = config
+    vocab = getattr(text, "vocab_size", None)
+    return min(VOCAB, vocab) if isinstance(vocab, int) and vocab > 0 else VOCAB
+
+
 def _batches(config, torch):
     special = _special_ids(config)
-    allowed = torch.tensor([i for i in range(VOCAB) if i not in special])
+    allowed = torch.tensor([i for i in range(_vocab(config)) if i not in special])
     g = torch.Generator().manual_seed(0)
     ids = allowed[torch.randint(0, len(allowed), (2, 12), generator=g)]
     mask = torch.ones_like(ids)

@@ -319,7 +319,7 @@ def _refusal(model) -> str | None:
                 f"causal-LM loss to fuse")
     try:
         spec_for_class(type(target), getattr(getattr(target, "config", None), "model_type", None),
-                       device=model_device(target))
+                       device=model_device(target), config=getattr(target, "config", None))
     except UnsupportedModelError as exc:
         return f"{type(target).__name__} is not supported ({str(exc).split('; ')[0][:300]})"
     return None

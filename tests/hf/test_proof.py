@@ -292,6 +292,10 @@ def test_unbuildable_tiny_model_is_refused_with_the_reason(next_release, monkeyp
         raise ImportError("this model needs PIL")
 
     monkeypatch.setattr(tiny, "tiny_config", no_pil)
+    # nor from the model's own config
+    from fused_ce_patch.hf import live_config
+    monkeypatch.setattr(live_config, "candidates",
+                        lambda cls, config: [("your config", ImportError("this model needs PIL"))])
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**tiny._shrink_kwargs(transformers.LlamaConfig, "llama"))
     model = next_release.LlamaForCausalLM(config).train()
@@ -360,16 +364,16 @@ def test_a_device_only_module_is_proven_on_the_models_device(next_release, devic
     runs = []
     real_prove_on = proof._prove_on
 
-    def prove_on(cls_, spec, model_type, dev):
+    def prove_on(cls_, spec, model_type, dev, config=None):
         runs.append(dev)
         device_only_norm["on_device"] = len(runs) > 1
-        return real_prove_on(cls_, spec, model_type, dev)
+        return real_prove_on(cls_, spec, model_type, dev, config)
 
     monkeypatch.setattr(proof, "_prove_on", prove_on)
     monkeypatch.setattr(proof, "_retry_device", lambda device: torch.device(device))
     apply_fused_ce(model, backend="torch")  # the memo's CPU-only refusal is not final
     assert len(runs) == 2
-    row = proof._MEMO[proof._memo_key(cls, derive_spec(cls))]
+    row = proof._MEMO[proof._memo_key(cls, derive_spec(cls), model.config)]
     assert row["status"] == "pass" and row["device"] == "cpu", row
     assert "Pointer argument" in row["cpu_reason"]
 
@@ -383,10 +387,10 @@ def test_a_device_retry_that_differs_is_refused_with_both_reasons(next_release, 
 
     runs = []
 
-    def prove_on(cls_, spec, model_type, dev):
+    def prove_on(cls_, spec, model_type, dev, config=None):
         runs.append(dev)
         device_only_norm["on_device"] = len(runs) > 1
-        return real_prove_on(cls_, spec, model_type, dev)
+        return real_prove_on(cls_, spec, model_type, dev, config)
     monkeypatch.setattr(proof, "_prove_on", prove_on)
     real_loss = hf_head.fused_linear_cross_entropy
     monkeypatch.setattr(hf_head, "fused_linear_cross_entropy",

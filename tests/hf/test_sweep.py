@@ -171,3 +171,33 @@ def test_sweep_matches_the_record():
                 assert r["source_hash"] == recorded[t]["source_hash"], t
     assert re.search(r"\d+ of \d+", sweep.support_table(data))
     json.dumps(rows)
+
+
+def test_refused_types_are_listed_by_kind(tmp_path):
+    """docs/support.md lists separately what the patch cannot express, what it would change,
+    and what has no stock model here, with counts per release; a row proven on the default
+    config shrunk (not tiny.py's) says so in the record."""
+    data = {"types": {
+        "a": {"5.24.0": {"status": "unsupported", "reason": "a head with a transform"},
+              "5.25.0": {"status": "unsupported", "reason": "a head with a transform"}},
+        "b": {"5.24.0": {"status": "unbuildable", "reason": "tiny model: KeyError"},
+              "5.25.0": {"status": "pass", "class": "B"}},
+        "c": {"5.25.0": {"status": "fail", "reason": "loss 2 vs stock 1"}},
+    }}
+    table = sweep.support_table(data)
+    kinds = [line for line in table.splitlines() if line.startswith("<details>")]
+    assert kinds == [
+        "<details><summary>Refused by the patch: it cannot express this forward "
+        "(5.24.0: 1, 5.25.0: 1)</summary>",
+        "<details><summary>Refused: the patched forward differs from stock, or raised "
+        "(5.25.0: 1)</summary>",
+        "<details><summary>Not proven: no stock model built from the class's default config "
+        "trains here (a model from your own config is proven on it) (5.24.0: 1)</summary>",
+    ]
+    record = tmp_path / "support.json"
+    sweep.write_record([{"type": "b", "class": "B", "status": "pass",
+                         "config": "the class's default config as a user's, shrunk"},
+                        {"type": "d", "class": "D", "status": "pass",
+                         "config": "the class's default config"}], record)
+    rows = {t: next(iter(r.values())) for t, r in json.loads(record.read_text())["types"].items()}
+    assert rows["b"]["config"].endswith("shrunk") and "config" not in rows["d"]
