@@ -505,8 +505,16 @@ out = U._ChunkedLogProbFunction.apply(h, model.lm_head.weight, None, torch.tenso
 want = torch.log_softmax(h @ model.lm_head.weight.t(), -1)[torch.arange(3), [1, 2, 3]]
 assert calls, "TRL's kernel ran, not ours"
 torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
+try:  # trl >= 1.16: DistillationTrainer's loss, imported after the patch too
+    import trl.trainer.distillation_trainer as D
+except ImportError:
+    D = None
+if D is not None:
+    assert D._chunked_divergence_loss.__module__ == "fused_ce_patch.hf.trl", "not routed"
 revert_fused_ce(model)
 assert not isinstance(U._ChunkedLogProbFunction, R._RoutedChunkedLogProb)
+if D is not None:
+    assert D._chunked_divergence_loss.__module__.startswith("trl."), "not restored"
 assert R._HOOK not in sys.meta_path
 print("ok")
 """
