@@ -25,6 +25,17 @@ import torch.nn.functional as F
 from fused_ce_patch.numerics import relative_error
 
 
+_DISTRIBUTED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/distributed/ is marked ``distributed`` (it spawns process groups;
+    its own CI step, docs/testing.md), so a new file there needs no marker of its own."""
+    for item in items:
+        if str(item.path).startswith(_DISTRIBUTED):
+            item.add_marker(pytest.mark.distributed)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _proof_cache(tmp_path_factory):
     """Proofs of the live model (fused_ce_patch/hf/proof.py) are cached in a directory of this
