@@ -185,7 +185,8 @@ def test_tma_gradient_needs_aligned_rows(spy, tma_spy, grad_kernel):
     assert spy == [1] and tma_spy == []
 
 
-@pytest.mark.parametrize("cols", [1, 4, 7])
+# One column a chunk: over a minute per kernel in the interpreter, slow.
+@pytest.mark.parametrize("cols", [pytest.param(1, marks=pytest.mark.slow), 4, 7])
 def test_narrow_chunks(oracle, spy, monkeypatch, cols):
     """Chunks narrower than dH's storage holds (``MAX_CHUNK_COLS``; 11 columns at H = 23):
     the vocabulary split in 1, 4 or 7 columns, V = 211 not a multiple of any; the chunks under
