@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Distributed modes on CPU (`-m distributed`: every test under tests/distributed/; README's
-# test command runs them too, without DeepSpeed, whose tests skip there): DDP,
+# Distributed modes on CPU (`-m distributed`: every test under tests/distributed/): DDP,
 # FSDP1/FSDP2, accelerate, Trainer, DeepSpeed ZeRO-2/3, tensor and context parallelism and the
 # vocabulary-parallel loss, 2 gloo processes each against one process running stock. Installs
 # DeepSpeed (CPU, no compiled ops) into README's .venv first (made here when absent).
