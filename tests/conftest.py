@@ -1,8 +1,11 @@
-"""Shared fixtures: a fresh random seed per test, and the float64 oracle.
+"""Shared fixtures: a fixed seed per test, and the float64 oracle.
 
-Every test that asks for ``seed`` (the core suites do, module-wide, with ``one_thread``) gets
-torch's global RNG seeded from ``os.urandom``; the seed is printed, so pytest shows it with any
-failure. Set ``FUSED_CE_TEST_SEED=<int>`` to replay one.
+Every test starts with torch's global RNG seeded by ``_seeded`` (autouse): by default from the
+test's node id (CRC-32), so a run is the same on every machine, in any order and under
+``pytest -n``. ``FUSED_CE_TEST_SEED=random`` opts in to a fresh seed per test from
+``os.urandom`` (to look for tolerances that hold only by chance); ``FUSED_CE_TEST_SEED=<int>``
+replays one. The seed is printed, so pytest shows it, with the command to replay, beside any
+failure. Tests that need the value ask for the ``seed`` fixture.
 
 ``oracle`` is the plain-torch float64 definition of the loss (docs/design.md §1): materialised
 float64 logits, softcap, ``F.cross_entropy`` with torch's label smoothing, the PaLM z-loss,
@@ -12,6 +15,7 @@ transformers' reductions. Tests compare every backend against it, never against 
 from __future__ import annotations
 
 import os
+import zlib
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +23,17 @@ import torch
 import torch.nn.functional as F
 
 from fused_ce_patch.numerics import relative_error
+
+
+_DISTRIBUTED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/distributed/ is marked ``distributed`` (it spawns process groups;
+    its own CI step, docs/testing.md), so a new file there needs no marker of its own."""
+    for item in items:
+        if str(item.path).startswith(_DISTRIBUTED):
+            item.add_marker(pytest.mark.distributed)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -34,12 +49,34 @@ def _proof_cache(tmp_path_factory):
         os.environ["FUSED_CE_CACHE_DIR"] = before
 
 
-@pytest.fixture
-def seed():
-    value = int(os.environ.get("FUSED_CE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+def seed_for(nodeid: str, setting: str | None) -> int:
+    """The seed of the test ``nodeid`` under ``FUSED_CE_TEST_SEED=setting``: unset or empty, a
+    fixed one from the node id; ``"random"``, a fresh one; an integer, that integer."""
+    if not setting:
+        return zlib.crc32(nodeid.encode())
+    if setting.strip().lower() == "random":
+        return int.from_bytes(os.urandom(4), "little")
+    try:
+        return int(setting)
+    except ValueError:
+        raise ValueError(
+            f"FUSED_CE_TEST_SEED={setting!r}: expected an integer or 'random'"
+        ) from None
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    value = seed_for(request.node.nodeid, os.environ.get("FUSED_CE_TEST_SEED"))
     torch.manual_seed(value)
-    print(f"seed = {value} (replay with FUSED_CE_TEST_SEED={value})")
+    print(f"seed = {value} (replay: FUSED_CE_TEST_SEED={value} python -m pytest "
+          f"'{request.node.nodeid}')")
     return value
+
+
+@pytest.fixture
+def seed(_seeded):
+    """The seed torch's global RNG got at the start of this test (see the module docstring)."""
+    return _seeded
 
 
 @pytest.fixture

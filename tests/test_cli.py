@@ -314,12 +314,54 @@ def test_both_runs_get_passive_openmp_unless_the_user_chose(monkeypatch):
     assert env["OMP_WAIT_POLICY"] == "ACTIVE" and note is None
 
 
+def test_model_path_prints_only_the_path_on_stdout(monkeypatch, capfd, tmp_path):
+    """Whatever is printed while the path is resolved (the first use's notices, a library's
+    notice through ``print``, C code or a child process writing to file descriptor 1) goes to
+    stderr: ``$(fused-ce-patch model-path smollm2)`` is the path."""
+    from fused_ce_patch.demo import models
+
+    def noisy(name, *, quiet=False):
+        print("[fused_ce_patch] dequantising ... (notice)")
+        os.write(1, b"[WARNING] a library's notice on fd 1\n")
+        subprocess.run([sys.executable, "-c", "print('a child process')"], check=True)
+        return tmp_path / name
+
+    monkeypatch.setattr(models, "local_model_path", noisy)
+    assert cli.main(["model-path", "smollm2"]) == 0
+    out, err = capfd.readouterr()
+    assert out == f"{tmp_path / 'smollm2'}\n"
+    for noise in ("(notice)", "fd 1", "a child process"):
+        assert noise in err
+    print("stdout works again")  # restored after the call
+    assert capfd.readouterr().out == "stdout works again\n"
+
+
+def test_first_conversion_notices_go_to_stderr(tmp_path, monkeypatch, capfd):
+    """``cached_model_dir`` says what it is doing on a first use, on stderr (not stdout)."""
+    from fused_ce_patch.demo import models
+
+    monkeypatch.setenv("FUSED_CE_PATCH_CACHE", str(tmp_path))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+
+    def fake_dequantise(src, out_dir, *, quiet=False):
+        (out_dir / "fused_ce_patch_source.json").write_text("{}")
+
+    monkeypatch.setattr(models, "dequantise_gguf", fake_dequantise)
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: object())
+    path = models.cached_model_dir(gguf)
+    out, err = capfd.readouterr()
+    assert out == "" and "dequantising tiny.gguf" in err and "cached in" in err
+    assert models._entry_complete(path)
+
+
 @pytest.mark.slow
 def test_model_path_prints_the_local_directory_of_the_real_weights():
     from fused_ce_patch.demo import local_model_path
 
     proc = run_cli("model-path", "smollm2", timeout=600)
     assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("\n") == 1, proc.stdout  # the path alone, even with deepspeed
     path = proc.stdout.strip()
     assert os.path.isfile(os.path.join(path, "config.json"))
     assert os.path.isfile(os.path.join(path, "model.safetensors"))
@@ -328,8 +370,8 @@ def test_model_path_prints_the_local_directory_of_the_real_weights():
 
 @pytest.mark.slow
 def test_quiet_conversion_shows_no_progress_bars(tmp_path, monkeypatch, capfd):
-    """``model-path`` / ``local_model_path(quiet=True)`` print the path only: the first
-    conversion's progress bars (transformers', the GGUF reader's tqdm) are hidden."""
+    """``local_model_path(quiet=True)`` prints nothing: the first conversion's progress bars
+    (transformers', the GGUF reader's tqdm) are hidden."""
     from fused_ce_patch.demo import models
 
     monkeypatch.setenv("FUSED_CE_PATCH_CACHE", str(tmp_path))

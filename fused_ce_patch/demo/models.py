@@ -29,6 +29,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -187,7 +188,7 @@ def cached_model_dir(gguf: Path, *, quiet: bool = False) -> Path:
 
     Args:
         gguf: a ``.gguf`` file that transformers can read.
-        quiet: do not print the one-line notice of the slow first conversion.
+        quiet: do not print (to stderr) the one-line notices of the slow first conversion.
 
     Returns:
         A directory with ``config.json``, ``model.safetensors`` and the tokenizer files.
@@ -207,7 +208,8 @@ def cached_model_dir(gguf: Path, *, quiet: bool = False) -> Path:
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     if not quiet:
-        print(f"[fused_ce_patch] dequantising {gguf.name} once into {target} ...", flush=True)
+        print(f"[fused_ce_patch] dequantising {gguf.name} once into {target} ...",
+              file=sys.stderr, flush=True)
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
@@ -223,7 +225,8 @@ def cached_model_dir(gguf: Path, *, quiet: bool = False) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if not quiet:
-        print(f"[fused_ce_patch] cached in {time.perf_counter() - start:.0f} s", flush=True)
+        print(f"[fused_ce_patch] cached in {time.perf_counter() - start:.0f} s", file=sys.stderr,
+              flush=True)
     return target
 
 

@@ -16,8 +16,11 @@ import json
 import os
 from pathlib import Path
 
-#: Where the record lives in a source checkout (not part of the installed package).
-RECORD_PATH = Path(__file__).resolve().parents[2] / "docs" / "support.json"
+#: The record: docs/support.json of a source checkout, else the copy a wheel carries beside
+#: this module (setup.py puts it there).
+_CHECKOUT_RECORD = Path(__file__).resolve().parents[2] / "docs" / "support.json"
+RECORD_PATH = (_CHECKOUT_RECORD if _CHECKOUT_RECORD.exists()
+               else Path(__file__).with_name("support.json"))
 ALLOW_ENV = "FUSED_CE_ALLOW_UNVERIFIED"
 
 
@@ -30,8 +33,8 @@ def load(path: str | os.PathLike | None = None) -> dict:
 
 
 def verified_types() -> list[str]:
-    """Model types the record lists as passing on the installed transformers (documentation;
-    empty outside a source checkout). Not a gate: see :mod:`.proof`."""
+    """Model types the record lists as passing on the installed transformers (documentation,
+    from a checkout or an installed wheel). Not a gate: see :mod:`.proof`."""
     import transformers
 
     version = transformers.__version__

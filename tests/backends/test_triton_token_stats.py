@@ -358,7 +358,10 @@ def _column_plan(monkeypatch, rows, cols):
 COLUMN_PLANS = [(64, 16), (9, 16), (40, 1), (26, 53)]
 
 
-@pytest.mark.parametrize("plan", COLUMN_PLANS, ids=[f"{r}x{c}" for r, c in COLUMN_PLANS])
+# One column a tile (40x1) launches 53 tiles per group: ~30-60 s each in the interpreter, slow.
+@pytest.mark.parametrize("plan", [pytest.param(p, marks=pytest.mark.slow) if p[1] == 1 else p
+                                  for p in COLUMN_PLANS],
+                         ids=[f"{r}x{c}" for r, c in COLUMN_PLANS])
 @pytest.mark.parametrize("row_config", ROW_CONFIGS[:3], ids=ROW_IDS[:3])
 @pytest.mark.parametrize("opts", OPTS[:3])
 def test_column_tiled_backward_per_token_grads(opts, row_config, plan, monkeypatch):

@@ -147,7 +147,9 @@ OPTIONS = [
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(map(str, o)) or "plain")
-@pytest.mark.parametrize("compact", [True, False], ids=["counted-rows", "all-rows"])
+# all-rows: the same kernels over every row, each case ~4x the time in the interpreter: slow.
+@pytest.mark.parametrize("compact", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["counted-rows", "all-rows"])
 def test_against_float64(oracle, spy, tma_spy, monkeypatch, grad_kernel, dtype, opts, compact):
     """N = 39 rows (a quarter ignored), prime V = 211; the first pass over the counted rows
     (gathered) or over all rows. Float32 logits: odd H = 23 (chunks of 11 columns); the TMA
@@ -183,7 +185,8 @@ def test_tma_gradient_needs_aligned_rows(spy, tma_spy, grad_kernel):
     assert spy == [1] and tma_spy == []
 
 
-@pytest.mark.parametrize("cols", [1, 4, 7])
+# One column a chunk: over a minute per kernel in the interpreter, slow.
+@pytest.mark.parametrize("cols", [pytest.param(1, marks=pytest.mark.slow), 4, 7])
 def test_narrow_chunks(oracle, spy, monkeypatch, cols):
     """Chunks narrower than dH's storage holds (``MAX_CHUNK_COLS``; 11 columns at H = 23):
     the vocabulary split in 1, 4 or 7 columns, V = 211 not a multiple of any; the chunks under

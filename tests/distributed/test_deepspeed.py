@@ -2,8 +2,8 @@
 NCCL under ``FUSED_CE_DIST_DEVICE=cuda``): through
 accelerate's DeepSpeedPlugin and through ``deepspeed.initialize``; same checks as
 test_distributed.py. ZeRO-3 partitions the head (checked), so the loss runs inside
-``lm_head``'s call where ZeRO-3's hooks gather it. Skipped when deepspeed is not installed (the
-README's test command installs it)."""
+``lm_head``'s call where ZeRO-3's hooks gather it. Skipped when deepspeed is not installed (CI's
+distributed step, .ci/distributed.sh, installs it)."""
 
 from __future__ import annotations
 

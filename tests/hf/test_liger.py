@@ -16,7 +16,8 @@ structural checks run with every non-loss Liger kernel patched in, and
 Liger patches module globals and classes process-wide, even when given ``model=``
 (``modeling_llama.apply_rotary_pos_emb``, ``modeling_llama.LlamaRMSNorm``, ...): the
 ``_restore_transformers`` fixture puts every one of them back after each test, and
-``tests/hf/test_zz_liger_leak.py`` checks, after this file, that nothing was left behind.
+``_nothing_left_behind`` checks, after the last test of this file (in the same process, also
+under ``pytest -n``), that nothing was.
 """
 
 from __future__ import annotations
@@ -35,6 +36,22 @@ if torch.cuda.is_available():
 if importlib.util.find_spec("liger_kernel") is None or importlib.util.find_spec("triton") is None:
     pytest.skip("liger-kernel (and triton) not installed: pip install liger-kernel==0.8.5",
                 allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nothing_left_behind():
+    """After this file: no Liger function left in transformers' modules, ``TRITON_INTERPRET``
+    unset. A leaked ``apply_rotary_pos_emb`` would make every later Llama / Gemma-3 test in this
+    process run Liger's RoPE in the Triton interpreter (correct, but minutes slower)."""
+    yield
+    from transformers.models.gemma3 import modeling_gemma3
+    from transformers.models.llama import modeling_llama
+
+    for module in (modeling_llama, modeling_gemma3):
+        leaked = {name: getattr(value, "__module__", "") for name, value in vars(module).items()
+                  if getattr(value, "__module__", "").startswith("liger_kernel")}
+        assert not leaked, f"{module.__name__} still holds Liger's {leaked}"
+    assert os.environ.get("TRITON_INTERPRET") in (None, "0", ""), "TRITON_INTERPRET left set"
 
 
 def _import_liger():

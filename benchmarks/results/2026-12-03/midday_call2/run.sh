@@ -1,1 +1,0 @@
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/trl-*.whl >/dev/null 2>&1; export PYTHONPATH=/tmp/site:$PWD; timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_token_stats_gpu.py -x 2>&1 | tail -5; timeout 360 python3 .gpu_probe/col_ab.py 2>&1 | grep -v "^[a-z0-9.-]* \(logp\|grpo\) \(rows\|cols\)" | tail -30

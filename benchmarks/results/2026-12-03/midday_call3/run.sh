@@ -1,3 +1,0 @@
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/trl-*.whl >/dev/null 2>&1; export PYTHONPATH=/tmp/site:$PWD; date -u; timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_token_stats_gpu.py 2>&1 | tail -2; timeout 300 python3 benchmarks/gpu_trl_head.py --impls trl-sft,trl-logp,trl-grpo,ours-sft,ours-logp,ours-grpo --out $OUT 2>&1 | grep -v stand-in | tail -12; timeout 80 python3 .gpu_probe/group_ab.py 2>&1 | tail -12; timeout 60 python3 .gpu_probe/gaps.py 2>&1 | tail -8
-# group_ab.py (Gemma-3: groups of 8192 / 16384 / 32768 rows) ran out of GPU memory building its
-# float32 references (not archived; no result).
