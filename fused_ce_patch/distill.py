@@ -14,6 +14,7 @@ import numbers
 import torch
 
 from .backends.distill_chunked import BACKENDS, DivergenceSpec, run_divergence
+from .loss import NUM_ITEMS_GRAD_MESSAGE
 
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -193,6 +194,8 @@ def _reciprocal(num_items, device):
         if num_items.numel() != 1:
             raise ValueError(f"num_items_in_batch must have one element, got shape "
                              f"{tuple(num_items.shape)}")
+        if num_items.requires_grad and torch.is_grad_enabled():
+            raise ValueError(NUM_ITEMS_GRAD_MESSAGE)
         return 1.0 / num_items.to(device=device, dtype=torch.float32).reshape(())
     v = _number("num_items_in_batch", num_items)
     return 1.0 / v if v else math.inf

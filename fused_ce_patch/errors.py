@@ -23,7 +23,7 @@ class LogitsNotMaterializedError(RuntimeError):
     """Something used ``outputs.logits`` after the fused loss path, which never builds them."""
 
 
-def raise_if_double_backward(what: str) -> None:
+def raise_if_double_backward(what: str, remedy: str | None = None) -> None:
     """Call first thing in a custom ``backward``: refuse ``create_graph=True``.
 
     The fused backwards are not differentiable; autograd would otherwise hand back detached
@@ -36,25 +36,33 @@ def raise_if_double_backward(what: str) -> None:
 
     if torch.is_grad_enabled():
         raise RuntimeError(
-            f"{what} does not support double backward (create_graph=True); compute this "
-            f"loss with backend='reference' (materialised logits) for higher-order gradients"
+            f"{what} does not support double backward (create_graph=True); for higher-order "
+            f"gradients " + (remedy or "compute this loss with backend='reference' "
+                             "(materialised logits), or call revert_fused_ce(model) on a "
+                             "patched model for those steps")
         )
 
 
-def single_backward(backward):
+def single_backward(backward=None, *, what: str = "fused_linear_cross_entropy",
+                    remedy: str | None = None):
     """Decorator for a custom ``autograd.Function.backward`` that is not differentiable.
 
     Unlike ``torch.autograd.function.once_differentiable`` (which hands back detached
     gradients silently when the upstream gradient does not require grad), it raises on
-    ``create_graph=True``; then it runs ``backward`` without building a graph.
+    ``create_graph=True`` (:func:`raise_if_double_backward` with ``what`` and ``remedy``);
+    then it runs ``backward`` without building a graph. ``@single_backward`` or
+    ``@single_backward(what=..., remedy=...)``.
     """
     import functools
 
     import torch
 
+    if backward is None:
+        return functools.partial(single_backward, what=what, remedy=remedy)
+
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
-        raise_if_double_backward("fused_linear_cross_entropy")
+        raise_if_double_backward(what, remedy)
         with torch.no_grad():
             return backward(ctx, *grads)
 

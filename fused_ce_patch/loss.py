@@ -290,14 +290,25 @@ def _check_options(reduction, backend, num_items, softcap, label_smoothing, z_lo
     check_logits_budget(budget)
 
 
+
+#: The fused Functions take ``num_items_in_batch`` as a constant: a count that requires grad
+#: (stock's ``sum / n`` would give it a gradient) is refused rather than left without one.
+NUM_ITEMS_GRAD_MESSAGE = (
+    "num_items_in_batch requires grad, and the fused loss gives it no gradient; pass "
+    "num_items_in_batch.detach(), or divide the reduction='sum' loss by it yourself")
+
+
 def _check_num_items(num_items) -> None:
     """Type and size of ``num_items_in_batch`` (any value of a real number is valid).
 
     Raises:
         TypeError: a bool, complex, str or other non-real value, or a bool/complex tensor.
-        ValueError: a tensor with more or fewer than one element.
+        ValueError: a tensor with more or fewer than one element; a tensor that requires grad
+            (with grad mode on).
     """
     if isinstance(num_items, torch.Tensor):
+        if num_items.requires_grad and torch.is_grad_enabled():
+            raise ValueError(NUM_ITEMS_GRAD_MESSAGE)
         if num_items.dtype == torch.bool or num_items.is_complex():
             raise TypeError(
                 f"num_items_in_batch must be a real number (an integer or floating tensor), "

@@ -397,3 +397,24 @@ def test_auto_honours_the_backend_environment_variable(monkeypatch):
     assert torch.isfinite(fused_linear_jsd(**_bad()))
     with pytest.raises(ValueError, match="unknown backend"):
         fused_linear_jsd(**_bad(backend="cuda"))
+
+
+def test_num_items_requiring_grad_and_double_backward_are_clear_errors():
+    # the fused losses take the count as a constant and have no second-order backward: both
+    # are refused with a message that names the remedy, never a missing gradient
+    from fused_ce_patch import fused_linear_cross_entropy, fused_linear_jsd
+
+    g = torch.Generator().manual_seed(0)
+    hs = torch.randn(6, 4, generator=g, requires_grad=True)
+    ws = torch.randn(11, 4, generator=g)
+    ht, wt = torch.randn(6, 5, generator=g), torch.randn(11, 5, generator=g)
+    y = torch.randint(0, 11, (6,), generator=g)
+    n = torch.tensor(4.0, requires_grad=True)
+    with pytest.raises(ValueError, match="requires grad"):
+        fused_linear_jsd(hs, ws, ht, wt, y, num_items_in_batch=n)
+    with pytest.raises(ValueError, match="requires grad"):
+        fused_linear_cross_entropy(hs, ws, y, num_items_in_batch=n)
+    got = fused_linear_jsd(hs, ws, ht, wt, y, num_items_in_batch=n.detach())
+    assert torch.isfinite(got)
+    with pytest.raises(RuntimeError, match="fused_linear_jsd does not support double backward"):
+        torch.autograd.grad(got, hs, create_graph=True)

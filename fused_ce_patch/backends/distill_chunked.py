@@ -393,7 +393,8 @@ class ChunkedDivergence(torch.autograd.Function):
         return d_out, entropy
 
     @staticmethod
-    @single_backward
+    @single_backward(what="fused_linear_jsd", remedy="compute the divergence from materialised "
+                     "logits (e.g. TRL's GKDTrainer.generalized_jsd_loss)")
     def backward(ctx, grad_d, _grad_entropy):
         cfg: DistillConfig = ctx.cfg
         hs, ws, bs, ht, wt, bt, valid_rows = ctx.saved_tensors

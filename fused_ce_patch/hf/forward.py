@@ -398,6 +398,8 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
             isinstance(n, torch.Tensor) and (n.dtype == torch.bool or n.is_complex()))
             or not isinstance(n, (numbers.Real, torch.Tensor))):
         return f"its num_items_in_batch is {type(n).__name__} {n!r:.40}"
+    if isinstance(n, torch.Tensor) and n.requires_grad and torch.is_grad_enabled():
+        return "its num_items_in_batch requires grad (the fused loss gives it none)"
     if isinstance(n, torch.Tensor) and n.numel() != 1:
         # stock divides by it anyway (a loss of n's shape, refused at backward)
         return f"its num_items_in_batch has shape {tuple(n.shape)}, not one number"

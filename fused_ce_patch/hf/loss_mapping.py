@@ -77,7 +77,10 @@ class _LogitsCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        raise_if_double_backward("the chunked LOSS_MAPPING causal-LM loss")
+        raise_if_double_backward(
+            "the chunked LOSS_MAPPING causal-LM loss",
+            "call revert_fused_ce(model) (or revert_fused_ce() for the process-wide opt-in) "
+            "for the steps that need them")
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
         valid = labels >= 0

@@ -451,3 +451,46 @@ def test_num_items_in_batch_with_two_elements_fails_where_stock_fails(spy):
         want.backward()
     with pytest.raises(type(stock.value)):
         got.backward()
+
+
+# -- the final no-stake hunt (issue 38's closing review) --------------------------------------
+
+
+def test_num_items_in_batch_requiring_grad_gets_stocks_gradient(spy):
+    # The fused loss takes the count as a constant: a count that requires grad takes the
+    # stock computation, which gives it its gradient (-sum / n**2).
+    from hf_helpers import batch
+
+    model, ref = _patched_pair()
+    n_ref = torch.tensor(5.0, requires_grad=True)
+    n_got = torch.tensor(5.0, requires_grad=True)
+    ref(**batch(), num_items_in_batch=n_ref).loss.backward()
+    model(**batch(), num_items_in_batch=n_got).loss.backward()
+    assert spy.count == 0
+    assert n_got.grad is not None
+    assert_close_rel(n_got.grad, n_ref.grad, LOSS_RTOL, "num_items_in_batch.grad")
+    # a detached count keeps the fused path
+    model(**batch(), num_items_in_batch=n_got.detach()).loss.backward()
+    assert spy.count == 1
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_double_backward_raises_naming_the_remedy_and_revert_computes_it(mode):
+    from fused_ce_patch import revert_fused_ce
+    from hf_helpers import batch
+
+    model, ref = _patched_pair()
+    getattr(model, mode)()
+    getattr(ref, mode)()
+    with pytest.raises(RuntimeError, match="double backward.*revert_fused_ce"):
+        loss = model(**batch()).loss
+        (g,) = torch.autograd.grad(loss, model.lm_head.weight, create_graph=True)
+        g.pow(2).sum().backward()
+    revert_fused_ce(model)
+    model.zero_grad()
+    for m in (model, ref):
+        (g,) = torch.autograd.grad(m(**batch()).loss, m.lm_head.weight, create_graph=True)
+        g.pow(2).sum().backward()
+    from hf_helpers import assert_grads_close
+
+    assert_grads_close(model, ref)
