@@ -102,7 +102,8 @@ def fused_linear_jsd(
     Raises:
         ValueError: vocabulary sizes differ; hidden size and weight columns differ; leading
             shapes differ; labels shape mismatch; beta outside [0, 1]; temperature <= 0;
-            unknown reduction; a bad budget or softcap.
+            unknown reduction; a bad budget or softcap; a ``num_items_in_batch`` tensor
+            that requires grad (it would get no gradient).
         BackendUnavailableError: ``backend="triton"`` where Triton cannot run.
         TypeError: non-tensor inputs, non-float dtypes, hidden/weight dtypes differ,
             non-integer labels.

@@ -100,7 +100,8 @@ def fused_linear_cross_entropy(
     Raises:
         ValueError: a label outside ``[0, V)`` that is not ``ignore_index`` (names the value
             and V); mismatched shapes (names both); unknown reduction or backend (lists the
-            valid ones); an option out of range; meta-device (data-less) tensors.
+            valid ones); an option out of range; meta-device (data-less) tensors; a
+            ``num_items_in_batch`` tensor that requires grad (it would get no gradient).
         TypeError: ``hidden``, ``weight`` and ``bias`` dtypes differ outside autocast; labels
             not int64/int32; inputs not floating point; an option of the wrong type (a bool
             for any numeric option, a float ``ignore_index`` or ``logits_budget``; a
