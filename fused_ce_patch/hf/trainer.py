@@ -98,6 +98,11 @@ class FusedCEArgumentsMixin:
             ``"ascend"``, ``"reference"``).
         fused_ce_logits_budget: bytes of transient logits per chunk; None = backend default.
         fused_ce_return_logits: keep real logits on every step (no memory saving).
+        fused_ce_trust_compute_loss: a Trainer subclass's own ``compute_loss`` reads only
+            ``outputs.loss`` of the model's forward (for instance it records something and
+            calls ``super().compute_loss``): keep the fused path for it. Off (the default),
+            such a ``compute_loss`` runs the stock forward, since it may read
+            ``outputs.logits``.
     """
 
     use_fused_ce: bool = field(
@@ -117,12 +122,17 @@ class FusedCEArgumentsMixin:
         default=False,
         metadata={"help": "Keep real logits on training steps (no memory saving)."},
     )
+    fused_ce_trust_compute_loss: bool = field(
+        default=False,
+        metadata={"help": "A Trainer subclass's own compute_loss reads only outputs.loss: "
+                          "keep the fused loss for it (default: its calls run stock)."},
+    )
 
     def __post_init__(self):
         super().__post_init__()
         # Fail at argument parsing, not later inside Trainer.__init__. A string is not a bool
         # ("no" is truthy); HfArgumentParser converts command-line strings before this.
-        for name in ("use_fused_ce", "fused_ce_return_logits"):
+        for name in ("use_fused_ce", "fused_ce_return_logits", "fused_ce_trust_compute_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         make_options(self.fused_ce_backend, self.fused_ce_logits_budget,
@@ -175,7 +185,7 @@ class FusedCEArgumentsMixin:
 
 
 _FLAG_FIELDS = ("use_fused_ce", "fused_ce_backend", "fused_ce_logits_budget",
-                "fused_ce_return_logits")
+                "fused_ce_return_logits", "fused_ce_trust_compute_loss")
 
 
 @dataclass
@@ -295,7 +305,8 @@ class FusedCECallback(TrainerCallback):
             # revert gives back the forward from before TRL's chunked head went on
             unwrap_causal_lm(model).__dict__[STATE_ATTR].previous = before
         if trainer is not None:
-            _guard_custom_compute_loss(trainer)
+            if not getattr(args, "fused_ce_trust_compute_loss", False):
+                _guard_custom_compute_loss(trainer)
             _install_prediction_step(trainer)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -372,7 +383,8 @@ def _install_prediction_step(trainer) -> None:
                 and "skip_logits" not in inputs and owner.label_smoother is None
                 and owner.compute_loss_func is None and _takes_skip_logits(model)
                 and inputs.get("labels") is not None
-                and _custom_compute_loss(owner) is None):
+                and (_custom_compute_loss(owner) is None
+                     or getattr(owner.args, "fused_ce_trust_compute_loss", False))):
             inputs = {**inputs, "skip_logits": True}
         return original(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
@@ -429,6 +441,6 @@ def _guard_custom_compute_loss(trainer) -> None:
     logger.warning(
         "fused_ce_patch: %s overrides compute_loss (%s), which may read outputs.logits or "
         "compute its own loss; its calls run the model's stock forward (real logits, no "
-        "memory saving). To keep the fused loss, leave compute_loss to the Trainer, or drop "
-        "the flag, call apply_fused_ce(model) before building the trainer and read only "
-        "outputs.loss while training.", type(trainer).__name__, name)
+        "memory saving). If it reads only outputs.loss (e.g. it calls super().compute_loss), "
+        "pass fused_ce_trust_compute_loss=True to keep the fused loss.",
+        type(trainer).__name__, name)

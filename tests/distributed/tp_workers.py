@@ -113,7 +113,8 @@ def trainer_arguments(out_dir, fused: bool):
 
     from fused_ce_patch import FusedCETrainingArguments
 
-    extra = {"use_fused_ce": True, "fused_ce_backend": "torch"} if fused else {}
+    extra = {"use_fused_ce": True, "fused_ce_backend": "torch",
+             "fused_ce_trust_compute_loss": True} if fused else {}  # RecordingTrainer calls super
     cls = FusedCETrainingArguments if fused else TrainingArguments
     return cls(
         output_dir=out_dir, per_device_train_batch_size=TRAINER_MICRO,

@@ -81,6 +81,32 @@ def test_flag_with_stock_compute_loss_keeps_the_fused_path(tmp_path, spy, caplog
     assert_close_rel(got[0], want[0], LOSS_RTOL, "train losses")
 
 
+class RecordingTrainer(Trainer):
+    """Records what it sees and delegates to Trainer's loss: reads only outputs.loss."""
+
+    seen = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        RecordingTrainer.seen += 1
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
+
+def test_trusted_compute_loss_subclass_keeps_the_fused_path(tmp_path, spy, caplog):
+    # fused_ce_trust_compute_loss=True: the user says the override reads only outputs.loss
+    want = _run(RecordingTrainer, TrainingArguments, tmp_path / "s")
+    with caplog.at_level(logging.WARNING, logger="fused_ce_patch"):
+        got = _run(RecordingTrainer, FusedCETrainingArguments, tmp_path / "f",
+                   use_fused_ce=True, fused_ce_trust_compute_loss=True)
+    assert spy.count >= 2 and "overrides compute_loss" not in caplog.text
+    assert RecordingTrainer.seen > 0
+    assert_close_rel(got[0], want[0], LOSS_RTOL, "train losses")
+    assert_close_rel(got[1], want[1], LOSS_RTOL, "eval losses during training")
+    assert abs(got[2] - want[2]) <= LOSS_RTOL * abs(want[2])
+    with pytest.raises(TypeError, match="fused_ce_trust_compute_loss"):
+        FusedCETrainingArguments(output_dir=str(tmp_path), fused_ce_trust_compute_loss="yes")
+
+
 def test_flag_eval_with_only_shift_labels_is_stock(tmp_path):
     # stock computes no loss from shift_labels alone; the flag must not ask for a loss-only
     # forward there (skip_logits=True needs labels)
