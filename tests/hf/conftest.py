@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fused_ce_patch.hf import head as hf_head
-from fused_ce_patch.hf import loss_mapping
+from fused_ce_patch.hf import loss_mapping, proof, verified
 from hf_helpers import LogitsLossSpy, Spy
 
 
@@ -45,3 +45,14 @@ def _clean_patches(monkeypatch):
     mapping, name = dict(loss_utils.LOSS_MAPPING), loss_utils.ForCausalLMLoss
     assert name is before[1] and mapping.keys() == before[0].keys()
     assert all(mapping[k] is v for k, v in before[0].items())
+
+
+@pytest.fixture
+def fresh_proofs(monkeypatch, tmp_path):
+    """A test's own proof cache directory, an empty proof memo, and no opt-in
+    (``pytestmark = pytest.mark.usefixtures("fresh_proofs")`` in the proof suites)."""
+    monkeypatch.setenv(proof.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(verified.ALLOW_ENV, raising=False)
+    proof.clear_memo()
+    yield
+    proof.clear_memo()

@@ -36,14 +36,7 @@ from fused_ce_patch.hf.sentinel import NotMaterializedLogits
 LLAMA = "transformers.models.llama.modeling_llama"
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch, tmp_path):
-    """Each test: its own cache directory, an empty memo, no opt-in."""
-    monkeypatch.setenv(proof.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.delenv(verified.ALLOW_ENV, raising=False)
-    proof.clear_memo()
-    yield
-    proof.clear_memo()
+pytestmark = pytest.mark.usefixtures("fresh_proofs")  # tests/hf/conftest.py
 
 
 @pytest.fixture

@@ -20,19 +20,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fused_ce_patch import UnsupportedModelError, apply_fused_ce
-from fused_ce_patch.hf import proof, tiny, verified
+from fused_ce_patch.hf import proof, tiny
 from fused_ce_patch.hf.clean_context import caller_context
 from fused_ce_patch.hf.sentinel import NotMaterializedLogits
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch, tmp_path):
-    """Each test: its own cache directory, an empty memo, no opt-in."""
-    monkeypatch.setenv(proof.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.delenv(verified.ALLOW_ENV, raising=False)
-    proof.clear_memo()
-    yield
-    proof.clear_memo()
+pytestmark = pytest.mark.usefixtures("fresh_proofs")  # tests/hf/conftest.py
 
 
 def _model(model_type):

@@ -16,7 +16,7 @@ import transformers
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
 from fused_ce_patch import apply_fused_ce
-from fused_ce_patch.hf import live_config, proof, verified
+from fused_ce_patch.hf import live_config, proof
 from fused_ce_patch.hf.architectures import derive_spec
 from fused_ce_patch.hf.sentinel import NotMaterializedLogits
 
@@ -85,13 +85,7 @@ USER_CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv(proof.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.delenv(verified.ALLOW_ENV, raising=False)
-    proof.clear_memo()
-    yield
-    proof.clear_memo()
+pytestmark = pytest.mark.usefixtures("fresh_proofs")  # tests/hf/conftest.py
 
 
 def _loss_and_grads(model, batch):

@@ -13,18 +13,12 @@ import transformers
 from transformers.modeling_outputs import CausalLMOutput
 
 from fused_ce_patch import UnsupportedModelError, apply_fused_ce
-from fused_ce_patch.hf import architectures, proof, verified
+from fused_ce_patch.hf import architectures
 from fused_ce_patch.hf.architectures import derive_spec
 from fused_ce_patch.hf.sentinel import NotMaterializedLogits
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv(proof.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.delenv(verified.ALLOW_ENV, raising=False)
-    proof.clear_memo()
-    yield
-    proof.clear_memo()
+pytestmark = pytest.mark.usefixtures("fresh_proofs")  # tests/hf/conftest.py
 
 
 def test_recurrent_gemma_one_line_softcap_is_patched_and_matches_stock():
