@@ -69,7 +69,11 @@ def check_type(model_type: str) -> dict:
     import logging
 
     torch.set_num_threads(1)
-    logging.getLogger("fused_ce_patch.hf.patch").setLevel(logging.ERROR)
+    # the sweep's own patches need no INFO record; the level is put back afterwards, so a
+    # check run inside a user's (or a test's) process leaves its logging as it was
+    patch_logger = logging.getLogger("fused_ce_patch.hf.patch")
+    level = patch_logger.level
+    patch_logger.setLevel(logging.ERROR)
     class_name = registry()[model_type]
     row = {"type": model_type, "class": class_name}
     start = time.perf_counter()
@@ -87,6 +91,7 @@ def check_type(model_type: str) -> dict:
     finally:
         if hasattr(signal, "SIGALRM"):
             signal.alarm(0)
+        patch_logger.setLevel(level)
     row["seconds"] = round(time.perf_counter() - start, 2)
     return row
 

@@ -31,3 +31,16 @@ def test_apply_is_silent_at_the_default_warning_level(caplog):
         apply_fused_ce(model)
     assert not [r for r in caplog.records if r.name.startswith("fused_ce_patch")]
     revert_fused_ce(model)
+
+
+def test_a_sweep_check_leaves_the_logging_levels_as_they_were():
+    # fused_ce_patch.hf.sweep.check_type quiets the patch logger for its own patches only: the
+    # INFO record of a later apply_fused_ce must still reach the user (xdist ran this file
+    # after test_sweep.py in one worker, and the first test above saw no record)
+    from fused_ce_patch.hf import sweep
+
+    patch_logger = logging.getLogger("fused_ce_patch.hf.patch")
+    before = patch_logger.level
+    row = sweep.check_type("llama")
+    assert row["status"] == "pass", row
+    assert patch_logger.level == before
