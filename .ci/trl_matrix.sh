@@ -3,7 +3,8 @@
 # venv of its own (.venv-trl); TRL is pure Python, so one torch install serves every release.
 #   every release: the flag in float32 and with TRL's default bf16=True (CPU autocast;
 #             test_flag_with_bf16_* in test_trl.py, test_flag_with_every_precision_*)
-#   trl 1.16: fused LM head (add_fused_lm_head) in SFT/DPO/KTO/GRPO/RLOO; also runs
+#   trl 1.16: fused LM head (add_fused_lm_head) in SFT/DPO/KTO/GRPO/RLOO, DistillationTrainer
+#             through fused_linear_jsd (test_trl_distill.py); also runs
 #             examples/trl_sft.py and the snippets of README.md and docs/*.md (the TRL
 #             ones need trl; README's test command skips them)
 #   trl 1.15: the first fused LM head; its kernel launches Triton on CPU tensors and fails,
@@ -27,6 +28,7 @@ for version in 1.16.0 1.15.0 1.10.0 1.6.0; do
     python -m pytest -q -n 2 --dist loadscope tests/hf/test_trl.py tests/hf/test_trainer_flag.py
     if [ "$version" = 1.16.0 ]; then
         python -m pytest -q tests/test_examples.py -k trl_sft
+        python -m pytest -q tests/hf/test_trl_distill.py  # DistillationTrainer (trl >= 1.16)
         python -m pytest -q -m slow tests/test_readme.py  # docs/trl.md's TRL snippet runs here
     fi
 done
