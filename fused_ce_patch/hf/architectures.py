@@ -135,7 +135,11 @@ def _contains_loss_call(node) -> bool:
     )
 
 
-_HEAD_NAMES = ("output", "embed_out", "lm_output", "output_layer")
+# Besides any attribute with "head" in its name: the names transformers' causal LMs give
+# their head module (BERT-family `cls`, BioGPT / TrOCR `output_projection`, Whisper `proj_out`,
+# XLNet `lm_loss`).
+_HEAD_NAMES = ("output", "embed_out", "lm_output", "output_layer", "output_projection",
+               "proj_out", "lm_loss", "cls")
 
 
 def _head_expr(node):
