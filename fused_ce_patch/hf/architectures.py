@@ -45,7 +45,7 @@ import textwrap
 import types
 from dataclasses import dataclass, field
 
-from ..errors import UnsupportedModelError
+from ..errors import NoLossToFuseError, UnsupportedModelError
 from .registry import stock_forward_of, wraps_patched
 
 # Names the rewritten forward calls: parameters of its factory, so closure variables of the
@@ -440,6 +440,11 @@ def _derive(klass: type, stock) -> ArchSpec:
         raise UnsupportedModelError(f"{where}: not a plain function")
     if any(_is_name(n, "super") or _is_name(n, "__class__") for n in ast.walk(fn)):
         raise UnsupportedModelError(f"{where}: calls super(), cannot be recompiled")
+    params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
+    if "labels" not in params and not _contains_loss_call(fn):
+        raise NoLossToFuseError(
+            f"{where} takes no labels and computes no loss: nothing to fuse (its caller "
+            f"computes the loss from its logits)")
     body = fn.body
     head_at = next((i for i, s in enumerate(body) if _head_call(s)), None)
     if head_at is None:

@@ -96,3 +96,19 @@ def test_only_a_pure_local_read_and_a_matching_cap_are_expressed():
     with pytest.raises(UnsupportedModelError, match="unknown statement"):
         architectures._derive(type("Other", (), {"forward": _forward_other_cap}),
                               _forward_other_cap)
+
+
+def _forward_no_loss(self, input_ids=None, **kwargs):
+    return self.lm_head(self.model(input_ids).last_hidden_state)
+
+
+def test_a_forward_without_labels_or_loss_says_there_is_nothing_to_fuse():
+    from fused_ce_patch.errors import NoLossToFuseError
+    from fused_ce_patch.hf.sweep import check_type
+
+    with pytest.raises(NoLossToFuseError, match="takes no labels and computes no loss"):
+        architectures._derive(type("Draft", (), {"forward": _forward_no_loss}), _forward_no_loss)
+    # Gemma 4's assistant (draft) head: its caller computes the loss from its logits
+    row = check_type("gemma4_assistant")
+    assert row["status"] == "noloss", row
+    assert isinstance(NoLossToFuseError("x"), UnsupportedModelError)
