@@ -42,7 +42,15 @@ SHRINK = {
 #: into the shrunk kwargs (nested dicts merged key by key).
 _MROPE = {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                               "mrope_section": [2, 3, 3]}}}
-OVERRIDES: dict[str, dict] = {"qwen2_vl": _MROPE, "qwen2_5_vl": _MROPE, "glm4v": _MROPE}
+OVERRIDES: dict[str, dict] = {
+    "qwen2_vl": _MROPE, "qwen2_5_vl": _MROPE, "glm4v": _MROPE,
+    # its LM head model asserts a decoder config; axial position embeddings and LSH attention
+    # need sequence lengths of their own factors (a 12-token batch: plain positions, local)
+    "reformer": {"is_decoder": True, "axial_pos_embds": False, "attn_layers": ["local", "local"],
+                 "local_attn_chunk_length": 4},
+    # X-MOD routes every layer through a per-language adapter: stock asks for one
+    "xmod": {"default_language": "en_XX"},
+}
 
 
 def _merge(into: dict, extra: dict) -> dict:
