@@ -18,7 +18,12 @@ It then compiles a copy of that forward in which only those statements change: t
 defers (no logits), each transform is recorded, and the loss call goes to the fused loss
 (:func:`~fused_ce_patch.hf.forward.fused_head_loss`). Everything else — decoder call, slicing,
 MoE aux loss (``loss += router_aux_loss_coef * aux_loss``), multimodal inputs, output class and
-fields, decorators — is the stock code, unchanged. A class whose source does not fit raises
+fields, decorators — is the stock code, unchanged. Two other loss blocks are expressed too:
+the ``loss_fct = CrossEntropyLoss(); loss = loss_fct(logits.view(-1, V), labels.view(-1))``
+block of the BART family, CPM-Ant, TrOCR, Whisper and XLNet (an unshifted mean; only the call
+changes, :func:`_rewrite_ce_block`), and statements after the loss call that read the logits
+only as ``logits.logsumexp(dim=-1)`` (Bamba's z-loss; unchanged, :func:`_check_extra_terms`).
+A class whose source does not fit raises
 :class:`~fused_ce_patch.errors.UnsupportedModelError` naming the statement; a class that fits is
 patched by ``apply_fused_ce`` only once the live class passes the proof on this machine
 (:mod:`.proof`: the stock class and the rewrite compared on a tiny model, loss and every

@@ -14,7 +14,11 @@ forward's own wrapper layers (decoder call with every argument passed through,
 3. ``self.loss_function(logits, labels, vocab_size, **kwargs)`` becomes
    :func:`fused_head_loss`: :func:`~fused_ce_patch.fused_linear_cross_entropy` from the hidden
    states and the head operands (:mod:`.head`), honouring ``num_items_in_batch`` /
-   ``ignore_index`` / ``shift_labels`` exactly as ``ForCausalLMLoss`` does;
+   ``ignore_index`` / ``shift_labels`` exactly as ``ForCausalLMLoss`` does; in the
+   ``CrossEntropyLoss`` form (BART family, Whisper, ...) ``loss_fct(logits.view(-1, V),
+   labels.view(-1))`` becomes :func:`fused_module_ce_loss` (unshifted mean, stock's dtype), and
+   an extra term's ``logits.logsumexp(dim=-1)`` (Bamba's z-loss) is computed without logits
+   (:meth:`DeferredLogits.logsumexp`);
 4. ``logits`` is then a :class:`~fused_ce_patch.hf.sentinel.NotMaterializedLogits`.
 
 The fused path runs when ``labels`` are given, the model is training, autograd is on, and
