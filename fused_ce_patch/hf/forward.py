@@ -196,7 +196,9 @@ def patched_forward(stock, spec: ArchSpec):
             if skip_logits:
                 raise ValueError("skip_logits=True needs labels")
             return stock(self, *args, **kwargs)
-        reason = fused_loss_refusal(self)
+        # The CrossEntropyLoss form never calls the model's loss_function: its module is
+        # checked at the call instead (_ce_refusal).
+        reason = fused_loss_refusal(self) if spec.loss_form != "cross_entropy" else None
         if reason is not None:  # a custom or replaced loss needs real logits
             warn_stock_path(self, reason)
             return stock(self, *args, **kwargs)

@@ -398,3 +398,21 @@ def test_proof_holds_the_cross_entropy_form_to_float64_exactness(monkeypatch):
     model, _ = _build("bart")
     with pytest.raises(UnsupportedModelError, match="does not reproduce"):
         apply_fused_ce(model, backend="torch")
+
+
+def test_cross_entropy_block_ignores_the_models_loss_function_as_stock_does(spy):
+    # BART's forward never calls self.loss_function: a custom one changes nothing on either side
+    model, config = _build("bart")
+    stock, patched = _stock_and_patched(model)
+
+    def custom(logits, labels, **kwargs):
+        raise AssertionError("not called by this forward")
+
+    for m in (stock, patched):
+        m.loss_function = custom
+    batch = _batch(config)
+    want_out, want_grads = _run(stock, batch)
+    spy.calls.clear()
+    out, grads = _run(patched, batch)
+    assert isinstance(out.logits, NotMaterializedLogits) and len(spy.calls) == 1
+    _assert_same(out, grads, want_out, want_grads, CE_TOL, CE_TOL)
