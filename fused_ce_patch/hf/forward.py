@@ -478,7 +478,7 @@ def _ce(model, loss_fct, logits, vocab_size, target):
         if logits.real is None:
             reason = _ce_refusal(loss_fct, logits, vocab_size, target)
             if reason is None:
-                return fused_module_ce_loss(logits, target, loss_fct.ignore_index)
+                return fused_module_ce_loss(logits, target, loss_fct.ignore_index, vocab_size)
             materialize(logits, reason)
         logits = logits.real
     return loss_fct(logits.view(-1, logits.size(-1) if vocab_size is None else vocab_size),
@@ -540,7 +540,7 @@ def _stock_logits_dtype(logits: DeferredLogits) -> torch.dtype:
 
 
 def fused_module_ce_loss(logits: DeferredLogits, target: torch.Tensor,
-                         ignore_index: int) -> torch.Tensor:
+                         ignore_index: int, vocab_size=None) -> torch.Tensor:
     """``CrossEntropyLoss(ignore_index=ignore_index)(logits.view(-1, V), target)`` from the
     deferred head operands: no shift, the mean over counted rows, NaN when none counts (stock's
     0/0; gradients 0 as stock's), in the dtype stock's call returns (the logits dtype; under
@@ -550,12 +550,17 @@ def fused_module_ce_loss(logits: DeferredLogits, target: torch.Tensor,
         logits: the deferred logits (``[..., H]`` kept hidden states, head, transforms).
         target: ``[N]`` int64 labels, ``N`` the number of kept positions, on their device.
         ignore_index: the module's ``ignore_index``.
+        vocab_size: ``V`` of the stock call's ``logits.view(-1, V)`` (None: the head's rows).
+            Checked against the rows the loss read when :func:`_ce_refusal` could not (a
+            tensor-parallel head's ``DTensor`` weight): stock's errors.
 
     Returns:
         0-d loss.
 
     Raises:
-        ValueError: a label outside ``[0, V)`` that is not ``ignore_index``
+        RuntimeError: ``vocab_size`` does not divide ``N * rows`` (stock's ``.view``).
+        ValueError: ``vocab_size`` divides it but is not the head's rows (stock's batch-size
+            mismatch); a label outside ``[0, V)`` that is not ``ignore_index``
             (:class:`~fused_ce_patch.errors.LabelOutOfRangeError`, also an ``IndexError`` as
             torch's).
     """
@@ -565,9 +570,16 @@ def fused_module_ce_loss(logits: DeferredLogits, target: torch.Tensor,
     if isinstance(scale, torch.Tensor):
         scale = scale.to(h.dtype)
     options = logits.options
-    loss, _ = _head_loss(logits.head, h, target, logit_scale=scale, ignore_index=ignore_index,
-                         shift=False, softcap=logits.softcap,
-                         logits_budget=options.logits_budget, backend=options.backend)
+    loss, vocab = _head_loss(logits.head, h, target, logit_scale=scale,
+                             ignore_index=ignore_index, shift=False, softcap=logits.softcap,
+                             logits_budget=options.logits_budget, backend=options.backend)
+    if vocab_size is not None and int(vocab_size) != vocab:
+        numel = h.shape[0] * vocab
+        if numel % int(vocab_size):
+            raise RuntimeError(f"shape '[-1, {int(vocab_size)}]' is invalid for input of size "
+                               f"{numel}")
+        raise ValueError(f"Expected input batch_size ({numel // int(vocab_size)}) to match "
+                         f"target batch_size ({target.shape[0]}).")
     nan = torch.where((target != ignore_index).any(), 0.0, float("nan"))
     loss = loss + nan.to(device=loss.device, dtype=loss.dtype)
     dtype = _stock_logits_dtype(logits)

@@ -416,3 +416,27 @@ def test_cross_entropy_block_ignores_the_models_loss_function_as_stock_does(spy)
     out, grads = _run(patched, batch)
     assert isinstance(out.logits, NotMaterializedLogits) and len(spy.calls) == 1
     _assert_same(out, grads, want_out, want_grads, CE_TOL, CE_TOL)
+
+
+@pytest.mark.parametrize("extra,error", [(7, RuntimeError), (None, ValueError)],
+                         ids=["not_a_divisor", "a_divisor"])
+def test_vocab_size_unseen_before_the_loss_raises_stocks_error_type(extra, error):
+    # Where the rows cannot be checked before the loss (a tensor-parallel head's DTensor), the
+    # loss checks after: stock's `.view(-1, V)` raises RuntimeError when V does not divide
+    # N * rows, cross_entropy a ValueError (batch sizes) when it does.
+    from fused_ce_patch.hf import forward
+
+    model, config = _build("bart")
+    stock, patched = _stock_and_patched(model)
+    batch = _batch(config)
+    rows = model.lm_head.weight.shape[0]
+    wrong = rows + extra if extra is not None else rows // 2 if rows % 2 == 0 else rows * 2
+    for m in (stock, patched):
+        m.config.vocab_size = wrong
+    with pytest.raises(error):
+        stock(**batch)
+    real_refusal = forward._loss_refusal
+    with pytest.MonkeyPatch.context() as mp:  # as if the rows were not readable then
+        mp.setattr(forward, "_loss_refusal", lambda lg, t, s, v, n: real_refusal(lg, t, s, None, n))
+        with pytest.raises(error):
+            patched(**batch)
