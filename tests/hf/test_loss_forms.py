@@ -440,3 +440,34 @@ def test_vocab_size_unseen_before_the_loss_raises_stocks_error_type(extra, error
         mp.setattr(forward, "_loss_refusal", lambda lg, t, s, v, n: real_refusal(lg, t, s, None, n))
         with pytest.raises(error):
             patched(**batch)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_head_lse_matches_logsumexp_of_the_logits(bias):
+    # float64 on both sides: summation order only (1e-12 relative)
+    g = torch.Generator().manual_seed(3)
+    head = torch.nn.Linear(24, 97, bias=bias).double()
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(97, 24, generator=g, dtype=torch.float64))
+        if bias:
+            head.bias.copy_(torch.randn(97, generator=g, dtype=torch.float64))
+    hidden = torch.randn(3, 5, 24, generator=g, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(3, 5, generator=g, dtype=torch.float64)
+
+    def grads(lse):
+        params = [hidden, *head.parameters()]
+        return torch.autograd.grad((lse * upstream).sum(), params)
+
+    want = head(hidden).logsumexp(dim=-1)
+    got = hf_head.fused_head_lse(head, hidden, backend="torch")
+    assert got.shape == want.shape and got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    for a, b in zip(grads(got), grads(want)):
+        assert (a - b).norm() <= 1e-12 * b.norm()
+
+
+def test_fused_head_lse_refuses_a_head_it_cannot_read_directly():
+    head = torch.nn.Linear(8, 11).double()
+    torch.nn.utils.parametrize.register_parametrization(head, "weight", _Identity())
+    with pytest.raises(UnsupportedModelError, match="parametrized"):
+        hf_head.fused_head_lse(head, torch.randn(2, 8, dtype=torch.float64))
