@@ -26,7 +26,12 @@ It then compiles a copy of that forward in which only those statements change: t
 defers (no logits), each transform is recorded, and the loss call goes to the fused loss
 (:func:`~fused_ce_patch.hf.forward.fused_head_loss`). Everything else — decoder call, slicing,
 MoE aux loss (``loss += router_aux_loss_coef * aux_loss``), multimodal inputs, output class and
-fields, decorators — is the stock code, unchanged. A class whose source does not fit raises
+fields, decorators — is the stock code, unchanged. Two other loss blocks are expressed too:
+the ``loss_fct = CrossEntropyLoss(); loss = loss_fct(logits.view(-1, V), labels.view(-1))``
+block of the BART family, CPM-Ant, TrOCR, Whisper and XLNet (an unshifted mean; only the call
+changes, :func:`_rewrite_ce_block`), and statements after the loss call that read the logits
+only as ``logits.logsumexp(dim=-1)`` (Bamba's z-loss; unchanged, :func:`_check_extra_terms`).
+A class whose source does not fit raises
 :class:`~fused_ce_patch.errors.UnsupportedModelError` naming the statement; a class that fits is
 patched by ``apply_fused_ce`` only once the live class passes the proof on this machine
 (:mod:`.proof`: the stock class and the rewrite compared on a tiny model, loss and every
@@ -57,7 +62,9 @@ TRANSFORM = "__fused_ce_transform__"
 LOSS = "__fused_ce_loss__"
 DONE = "__fused_ce_done__"
 MATERIALIZE = "__fused_ce_materialize__"
-HELPERS = (DEFER, TRANSFORM, LOSS, DONE, MATERIALIZE)
+CE = "__fused_ce_ce__"
+#: The rewrite factory's parameters, in order (:func:`_compile_factory`).
+HELPERS = (DEFER, TRANSFORM, LOSS, DONE, MATERIALIZE, CE)
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,11 @@ class ArchSpec:
         stock: the stock forward (decorated, as found on the class).
         build: ``build(helpers) -> forward``: the rewritten forward inside copies of the stock
             forward's wrapper layers, with :mod:`.forward`'s helpers bound (one per patch).
+        loss_form: ``"loss_function"`` (``self.loss_function(...)``: transformers' causal-LM
+            loss, shifted) or ``"cross_entropy"`` (a ``CrossEntropyLoss()`` module called on
+            ``logits.view(-1, V)``: unshifted mean, see :func:`_rewrite_ce_block`).
+        extra_terms: the stock statements after the loss call inside the loss block (Bamba's
+            z-loss), unchanged in the rewrite (:func:`_check_extra_terms`).
     """
 
     class_name: str
@@ -118,6 +130,8 @@ class ArchSpec:
     wrappers: tuple[str, ...]
     stock: object = field(compare=False, repr=False)
     build: object = field(compare=False, repr=False)
+    loss_form: str = "loss_function"
+    extra_terms: tuple[str, ...] = ()
 
     @property
     def transform_name(self) -> str:
@@ -469,9 +483,14 @@ def _derive(klass: type, stock) -> ArchSpec:
     name, head_attr, arg, head_ops = _head_call(body[head_at])
     loss_at = next((i for i in range(head_at + 1, len(body)) if _contains_loss_call(body[i])),
                    None)
+    ce_form = False
     if loss_at is None:
-        raise UnsupportedModelError(f"{where}: no `self.loss_function(...)` after the head")
-    if sum(_contains_loss_call(s) for s in body) != 1:
+        loss_at = _ce_block_at(body, head_at, where)
+        ce_form = loss_at is not None
+    if loss_at is None:
+        raise UnsupportedModelError(f"{where}: no `self.loss_function(...)` after the head "
+                                    f"(nor a `CrossEntropyLoss()` block)")
+    if not ce_form and sum(_contains_loss_call(s) for s in body) != 1:
         raise UnsupportedModelError(f"{where}: more than one self.loss_function call")
 
     # The transform statements between head and loss, emitted in order: runs of recorded ops,
@@ -527,28 +546,11 @@ def _derive(klass: type, stock) -> ArchSpec:
     # The loss statement: `loss = self.loss_function(logits, labels, ...)`, possibly under
     # `if labels is not None:`; its first argument must be the head's output.
     loss_stmt = body[loss_at]
-    inner = loss_stmt
-    if isinstance(loss_stmt, ast.If):
-        if len(loss_stmt.body) != 1 or loss_stmt.orelse:
-            raise UnsupportedModelError(f"{where}: the loss block does more than the loss call")
-        inner = loss_stmt.body[0]
-    if not (isinstance(inner, ast.Assign) and isinstance(inner.value, ast.Call)
-            and _is_self_attr(inner.value.func, "loss_function")):
-        raise UnsupportedModelError(
-            f"{where}: the loss is not `loss = self.loss_function(...)`: "
-            f"`{ast.unparse(inner).splitlines()[0]}`"
-        )
-    call = inner.value
-    first = call.args[0] if call.args else next(
-        (k.value for k in call.keywords if k.arg == "logits"), None)
-    if not _is_name(first, name):
-        raise UnsupportedModelError(f"{where}: the loss is not computed from `{name}`")
-    if not any(k.arg is None for k in call.keywords):
-        raise UnsupportedModelError(
-            f"{where}: the loss call does not pass **kwargs (num_items_in_batch, shift_labels)"
-        )
-    call.func = ast.Name(id=LOSS, ctx=ast.Load())
-    call.args.insert(0, ast.Name(id="self", ctx=ast.Load()))  # the model, for its live loss
+    if ce_form:
+        # `loss_fct = CrossEntropyLoss(); loss = loss_fct(logits.view(-1, V), labels.view(-1))`
+        extra = _rewrite_ce_block(loss_stmt, name, head_attr, where)
+    else:
+        extra = _rewrite_loss_function_block(loss_stmt, name, head_attr, where)
     tail = body[loss_at + 1:]
     if any(_is_self_attr(n, head_attr) for s in tail for n in ast.walk(s)):
         raise UnsupportedModelError(f"{where}: uses self.{head_attr} again after the loss")
@@ -586,7 +588,191 @@ def _derive(klass: type, stock) -> ArchSpec:
         wrappers=tuple(_layer_name(layer) for layer in chain[:-1]),
         stock=stock,
         build=build,
+        loss_form="cross_entropy" if ce_form else "loss_function",
+        extra_terms=tuple(ast.unparse(t).splitlines()[0] for t in extra),
     )
+
+
+# -- the loss block -----------------------------------------------------------------------------
+
+
+def _rewrite_loss_function_block(stmt, name, head_attr, where) -> list:
+    """Rewrite ``loss = self.loss_function(logits, labels, ..., **kwargs)`` (possibly under
+    ``if labels is not None:``) in place to the fused loss; returns the statements that follow
+    the call inside that ``if`` (extra loss terms, kept as they are: :func:`_check_extra_terms`).
+    """
+    inner, extra = stmt, []
+    if isinstance(stmt, ast.If):
+        if stmt.orelse or not stmt.body:
+            raise UnsupportedModelError(f"{where}: the loss block has an `else:`")
+        inner, extra = stmt.body[0], stmt.body[1:]
+    if not (isinstance(inner, ast.Assign) and isinstance(inner.value, ast.Call)
+            and _is_self_attr(inner.value.func, "loss_function")):
+        raise UnsupportedModelError(
+            f"{where}: the loss is not `loss = self.loss_function(...)`: "
+            f"`{ast.unparse(inner).splitlines()[0]}`"
+        )
+    call = inner.value
+    first = call.args[0] if call.args else next(
+        (k.value for k in call.keywords if k.arg == "logits"), None)
+    if not _is_name(first, name):
+        raise UnsupportedModelError(f"{where}: the loss is not computed from `{name}`")
+    if not any(k.arg is None for k in call.keywords):
+        raise UnsupportedModelError(
+            f"{where}: the loss call does not pass **kwargs (num_items_in_batch, shift_labels)"
+        )
+    _check_extra_terms(extra, name, head_attr, where)
+    call.func = ast.Name(id=LOSS, ctx=ast.Load())
+    call.args.insert(0, ast.Name(id="self", ctx=ast.Load()))  # the model, for its live loss
+    return extra
+
+
+def _is_ce_ctor(node) -> bool:
+    """``CrossEntropyLoss(...)`` / ``nn.CrossEntropyLoss(...)`` (any spelling of the name)."""
+    return isinstance(node, ast.Call) and (
+        _is_name(node.func, "CrossEntropyLoss")
+        or (isinstance(node.func, ast.Attribute) and node.func.attr == "CrossEntropyLoss"))
+
+
+def _ce_block_at(body, head_at, where):
+    """Index of the one top-level statement after the head that constructs a
+    ``CrossEntropyLoss``, or None when there is none."""
+    found = [i for i in range(head_at + 1, len(body))
+             if any(_is_ce_ctor(n) for n in ast.walk(body[i]))]
+    if len(found) > 1:
+        raise UnsupportedModelError(f"{where}: more than one CrossEntropyLoss block")
+    return found[0] if found else None
+
+
+def _is_last_dim(node, name) -> bool:
+    """``name.size(-1)`` or ``name.shape[-1]``."""
+    minus_one = ast.dump(ast.parse("-1", mode="eval").body)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+            and node.func.attr == "size" and _is_name(node.func.value, name) \
+            and len(node.args) == 1 and not node.keywords:
+        return ast.dump(node.args[0]) == minus_one
+    return (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "shape" and _is_name(node.value.value, name)
+            and ast.dump(node.slice) == minus_one)
+
+
+def _rewrite_ce_block(stmt, name, head_attr, where) -> list:
+    """Rewrite the ``CrossEntropyLoss`` form of the loss block in place; return the statements
+    after the loss call (extra terms, :func:`_check_extra_terms`).
+
+    Accepted (BART, mBART, Marian, Pegasus, PLBart, Blenderbot(-Small), BigBird-Pegasus, MVP,
+    CPM-Ant, TrOCR, Whisper, XLNet on transformers 5.2x)::
+
+        if labels is not None:
+            labels = labels.to(logits.device)        # optional
+            loss_fct = CrossEntropyLoss()
+            loss = loss_fct(logits.view(-1, V), labels.view(-1))
+
+    with ``V`` any expression not reading the logits, or ``logits.size(-1)`` /
+    ``logits.shape[-1]``. Only the loss call changes: it becomes
+    ``loss = CE(self, loss_fct, logits, V or None, labels.view(-1))``
+    (:func:`~fused_ce_patch.hf.forward.fused_module_ce_loss`), which checks at run time that
+    ``loss_fct`` is a plain ``torch.nn.CrossEntropyLoss`` (the module global may have been
+    replaced) and otherwise runs this very call on real logits. The labels move and the
+    constructor are the stock statements (``logits.device`` is the device stock's logits would
+    have).
+    """
+    test = stmt.test if isinstance(stmt, ast.If) else None
+    if not (test is not None and not stmt.orelse and isinstance(test, ast.Compare)
+            and len(test.ops) == 1 and isinstance(test.ops[0], ast.IsNot)
+            and isinstance(test.left, ast.Name)
+            and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value is None):
+        raise UnsupportedModelError(
+            f"{where}: the CrossEntropyLoss block is not `if labels is not None:` without "
+            f"`else:`: `{ast.unparse(stmt).splitlines()[0]}`")
+    labels = test.left.id
+    fct = None
+    for i, inner in enumerate(stmt.body):
+        simple = isinstance(inner, ast.Assign) and len(inner.targets) == 1 \
+            and isinstance(inner.targets[0], ast.Name)
+        target = inner.targets[0].id if simple else None
+        value = inner.value if simple else None
+        if simple and target == labels and isinstance(value, ast.Call) \
+                and isinstance(value.func, ast.Attribute) and value.func.attr == "to" \
+                and _is_name(value.func.value, labels) and len(value.args) == 1 \
+                and not value.keywords and isinstance(value.args[0], ast.Attribute) \
+                and value.args[0].attr == "device" and _is_name(value.args[0].value, name):
+            continue  # `labels = labels.to(logits.device)`
+        if simple and target not in (name, labels) and _is_ce_ctor(value) \
+                and not _mentions(value, name):
+            fct = target
+            continue
+        if simple and fct is not None and target not in (name, labels, fct) \
+                and isinstance(value, ast.Call) and _is_name(value.func, fct) \
+                and len(value.args) == 2 and not value.keywords:
+            view, flat = value.args
+            if (isinstance(view, ast.Call) and isinstance(view.func, ast.Attribute)
+                    and view.func.attr == "view" and _is_name(view.func.value, name)
+                    and len(view.args) == 2 and not view.keywords
+                    and ast.dump(view.args[0]) == ast.dump(ast.parse("-1", mode="eval").body)
+                    and not _mentions(flat, name)):
+                vocab = view.args[1]
+                if _is_last_dim(vocab, name):
+                    vocab = ast.Constant(None)
+                elif _mentions(vocab, name):
+                    vocab = None
+                if vocab is not None:
+                    inner.value = ast.copy_location(
+                        _call(CE, ast.Name(id="self", ctx=ast.Load()),
+                              ast.Name(id=fct, ctx=ast.Load()), ast.Name(id=name, ctx=ast.Load()),
+                              vocab, flat), value)
+                    extra = stmt.body[i + 1:]
+                    _check_extra_terms(extra, name, head_attr, where)
+                    return extra
+        raise UnsupportedModelError(
+            f"{where}: unknown statement in the CrossEntropyLoss block: "
+            f"`{ast.unparse(inner).splitlines()[0]}`")
+    raise UnsupportedModelError(f"{where}: the CrossEntropyLoss block has no loss call")
+
+
+def _check_extra_terms(stmts, name, head_attr, where) -> None:
+    """Accept statements after the loss call inside the loss block (extra loss terms) that run
+    unchanged on the deferred logits: assignments to plain names other than ``name`` and
+    ``if`` blocks of such statements, reading the logits only as ``name.logsumexp(dim=-1)``
+    (:meth:`~fused_ce_patch.hf.forward.DeferredLogits.logsumexp`: per-position log-sum-exp
+    without logits). Bamba's z-loss::
+
+        if self.z_loss_coefficient > 0:
+            z_loss = logits.logsumexp(dim=-1).to(dtype=loss.dtype).pow(2).mean()
+            loss = loss + self.z_loss_coefficient * z_loss
+
+    Raises:
+        UnsupportedModelError: naming the first statement that is not of that kind.
+    """
+    minus_one = ast.dump(ast.parse("-1", mode="eval").body)
+    for stmt in stmts:
+        ok = True
+        if isinstance(stmt, ast.If):
+            ok = not _mentions(stmt.test, name)
+            if ok:
+                _check_extra_terms([*stmt.body, *stmt.orelse], name, head_attr, where)
+        elif isinstance(stmt, (ast.Assign, ast.AugAssign)):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            ok = all(isinstance(t, ast.Name) and t.id != name for t in targets)
+            allowed = set()
+            for n in ast.walk(stmt.value):
+                if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                        and n.func.attr == "logsumexp" and _is_name(n.func.value, name)
+                        and ((not n.args and len(n.keywords) == 1 and n.keywords[0].arg == "dim"
+                              and ast.dump(n.keywords[0].value) == minus_one)
+                             or (not n.keywords and len(n.args) == 1
+                                 and ast.dump(n.args[0]) == minus_one))):
+                    allowed.add(id(n.func.value))
+            ok = ok and all(id(n) in allowed for n in ast.walk(stmt.value) if _is_name(n, name))
+        else:
+            ok = False
+        if ok and any(_is_self_attr(n, head_attr) for n in ast.walk(stmt)):
+            ok = False
+        if not ok:
+            raise UnsupportedModelError(
+                f"{where}: the loss block does more than the loss call: "
+                f"`{ast.unparse(stmt).splitlines()[0]}`")
 
 
 def _layer_name(fn) -> str:

@@ -14,7 +14,11 @@ forward's own wrapper layers (decoder call with every argument passed through,
 3. ``self.loss_function(logits, labels, vocab_size, **kwargs)`` becomes
    :func:`fused_head_loss`: :func:`~fused_ce_patch.fused_linear_cross_entropy` from the hidden
    states and the head operands (:mod:`.head`), honouring ``num_items_in_batch`` /
-   ``ignore_index`` / ``shift_labels`` exactly as ``ForCausalLMLoss`` does;
+   ``ignore_index`` / ``shift_labels`` exactly as ``ForCausalLMLoss`` does; in the
+   ``CrossEntropyLoss`` form (BART family, Whisper, ...) ``loss_fct(logits.view(-1, V),
+   labels.view(-1))`` becomes :func:`fused_module_ce_loss` (unshifted mean, stock's dtype), and
+   an extra term's ``logits.logsumexp(dim=-1)`` (Bamba's z-loss) is computed without logits
+   (:meth:`DeferredLogits.logsumexp`);
 4. ``logits`` is then a :class:`~fused_ce_patch.hf.sentinel.NotMaterializedLogits`.
 
 The fused path runs when ``labels`` are given, the model is training, autograd is on, and
@@ -57,8 +61,8 @@ import warnings
 import torch
 
 from ..errors import UnsupportedModelError
-from .architectures import DEFER, DONE, LOSS, MATERIALIZE, TRANSFORM, ArchSpec
-from .head import check_head, head_operands, parametrized
+from .architectures import CE, DEFER, DONE, LOSS, MATERIALIZE, TRANSFORM, ArchSpec
+from .head import check_head, fused_head_lse, head_operands, parametrized
 from .head import fused_head_loss as _head_loss
 from .loss_mapping import forward_ad_dual, functorch_active, fused_loss_refusal
 from .registry import PATCHED as _PATCHED
@@ -193,7 +197,9 @@ def patched_forward(stock, spec: ArchSpec):
             if skip_logits:
                 raise ValueError("skip_logits=True needs labels")
             return stock(self, *args, **kwargs)
-        reason = fused_loss_refusal(self)
+        # The CrossEntropyLoss form never calls the model's loss_function: its module is
+        # checked at the call instead (_ce_refusal).
+        reason = fused_loss_refusal(self) if spec.loss_form != "cross_entropy" else None
         if reason is not None:  # a custom or replaced loss needs real logits
             warn_stock_path(self, reason)
             return stock(self, *args, **kwargs)
@@ -244,6 +250,30 @@ class DeferredLogits:
         return f"DeferredLogits(hidden={tuple(self.hidden.shape)}, scale={self.scale}, " \
                f"softcap={self.softcap})"
 
+    @property
+    def device(self) -> torch.device:
+        """The device stock's logits would be on: the head weight's (``F.linear`` computes
+        there), else the hidden states'. For ``labels = labels.to(logits.device)``."""
+        if self.real is not None:
+            return self.real.device
+        weight = getattr(self.head, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
+            return weight.device
+        return self.hidden.device
+
+    def logsumexp(self, dim):
+        """``logits.logsumexp(dim=-1)`` as stock computes it: ``[...]`` per kept position, in
+        stock's logits dtype, with gradients to the hidden states and the head — without the
+        logits (:func:`fused_head_lse`) where that is exact, else from real logits
+        (:func:`materialize`). Used by extra loss terms after the loss call (Bamba's z-loss);
+        ``dim`` other than the last materialises too."""
+        if self.real is None:
+            reason = _lse_refusal(self, dim)
+            if reason is None:
+                return _fused_lse(self)
+            materialize(self, reason)
+        return self.real.logsumexp(dim=dim)
+
 
 def _helpers(slot) -> dict:
     """The functions one patched forward's rewrite calls (closure variables of the rewrite).
@@ -271,6 +301,7 @@ def _helpers(slot) -> dict:
         LOSS: lambda *args, **kwargs: _loss(*args, **kwargs),
         DONE: lambda logits: _done(logits),
         MATERIALIZE: lambda logits, reason: _real(logits, reason),
+        CE: lambda *args: _ce(*args),
     }
 
 
@@ -461,6 +492,158 @@ def _loss(model, *args, **kwargs):
     else:
         kwargs = {**kwargs, "logits": logits.real}
     return model.loss_function(*args, **kwargs)
+
+
+
+# -- the CrossEntropyLoss form and extra loss terms (architectures._rewrite_ce_block) ----------
+
+_CE_CLASS = torch.nn.CrossEntropyLoss
+_CE_FORWARD = torch.nn.CrossEntropyLoss.forward
+_F_CROSS_ENTROPY = torch.nn.functional.cross_entropy
+
+
+def _ce(model, loss_fct, logits, vocab_size, target):
+    """Stands in for ``loss_fct(logits.view(-1, vocab_size), target)`` in the loss block
+    ``loss_fct = CrossEntropyLoss(); loss = loss_fct(logits.view(-1, V), labels.view(-1))``
+    (``vocab_size`` None: ``logits.size(-1)``): the fused loss where it computes stock's
+    number (:func:`fused_module_ce_loss`), else that very call on real logits."""
+    if isinstance(logits, DeferredLogits):
+        if logits.real is None:
+            reason = _ce_refusal(loss_fct, logits, vocab_size, target)
+            if reason is None:
+                return fused_module_ce_loss(logits, target, loss_fct.ignore_index, vocab_size)
+            materialize(logits, reason)
+        logits = logits.real
+    return loss_fct(logits.view(-1, logits.size(-1) if vocab_size is None else vocab_size),
+                    target)
+
+
+def _ce_refusal(loss_fct, logits: DeferredLogits, vocab_size, target) -> str | None:
+    """Why ``loss_fct(logits.view(-1, V), target)`` should run on real logits, or None.
+
+    The fused loss is that call only for a plain ``torch.nn.CrossEntropyLoss`` with torch's
+    own ``forward`` and ``F.cross_entropy``, no class weights, ``reduction="mean"``, no label
+    smoothing and no hooks (a modeling module's ``CrossEntropyLoss`` global replaced, e.g. by
+    Liger-Kernel, fails this); for 1-D int64 labels on the logits' device, one per kept row;
+    for ``V`` the head's row count; and for whatever :func:`_loss_refusal` accepts. Everything
+    else is stock's business, errors included (``.view`` of a wrong ``V`` raises there).
+    """
+    kind = type(loss_fct)
+    if kind is not _CE_CLASS or _CE_CLASS is not torch.nn.CrossEntropyLoss:
+        return (f"its loss module is {kind.__module__}.{kind.__qualname__}, not "
+                f"torch.nn.CrossEntropyLoss")
+    if kind.forward is not _CE_FORWARD or kind.__call__ is not torch.nn.Module.__call__ \
+            or torch.nn.functional.cross_entropy is not _F_CROSS_ENTROPY \
+            or _F_CROSS_ENTROPY.__module__ != "torch.nn.functional":
+        return "torch's CrossEntropyLoss or cross_entropy was replaced"
+    if loss_fct._forward_hooks or loss_fct._forward_pre_hooks:
+        return "its CrossEntropyLoss module has hooks"
+    if loss_fct.weight is not None or loss_fct.reduction != "mean" \
+            or loss_fct.label_smoothing != 0.0 or isinstance(loss_fct.ignore_index, bool) \
+            or not isinstance(loss_fct.ignore_index, int):
+        return (f"its CrossEntropyLoss has weight={'set' if loss_fct.weight is not None else None}"
+                f", reduction={loss_fct.reduction!r}, label_smoothing="
+                f"{loss_fct.label_smoothing}, ignore_index={loss_fct.ignore_index!r}")
+    if vocab_size is not None and (isinstance(vocab_size, bool)
+                                   or not isinstance(vocab_size, numbers.Integral)):
+        return f"its vocab_size is {type(vocab_size).__name__} {vocab_size!r:.40}"
+    if vocab_size is not None and parametrized(logits.head):
+        return "its lm_head weight is parametrized (its rows are known only when read)"
+    if not isinstance(target, torch.Tensor) or target.dim() != 1 \
+            or target.numel() != logits.hidden.shape[:-1].numel():
+        shape = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+        return f"its labels ({shape}) are not one per kept position"
+    if target.device != logits.device:
+        return f"its labels are on {target.device}, its logits on {logits.device}"
+    return _loss_refusal(logits, target, None, vocab_size, None)
+
+
+def _stock_logits_dtype(logits: DeferredLogits) -> torch.dtype:
+    """The dtype of stock's ``head(hidden)``: the hidden states' (equal to the weight's, or
+    :func:`_loss_refusal` refused), or under autocast what autocast's ``linear`` gives."""
+    h = logits.hidden
+    if not torch.is_autocast_enabled(h.device.type):
+        return h.dtype
+    weight = getattr(logits.head, "weight", None)
+    w_dtype = weight.dtype if isinstance(weight, torch.Tensor) else h.dtype
+    with torch.no_grad():  # a 1x1 probe of what autocast does with these dtypes
+        return torch.nn.functional.linear(torch.zeros(1, 1, dtype=h.dtype, device=h.device),
+                                          torch.zeros(1, 1, dtype=w_dtype,
+                                                      device=h.device)).dtype
+
+
+def fused_module_ce_loss(logits: DeferredLogits, target: torch.Tensor,
+                         ignore_index: int, vocab_size=None) -> torch.Tensor:
+    """``CrossEntropyLoss(ignore_index=ignore_index)(logits.view(-1, V), target)`` from the
+    deferred head operands: no shift, the mean over counted rows, NaN when none counts (stock's
+    0/0; gradients 0 as stock's), in the dtype stock's call returns (the logits dtype; under
+    autocast what autocast's ``cross_entropy`` returns).
+
+    Args:
+        logits: the deferred logits (``[..., H]`` kept hidden states, head, transforms).
+        target: ``[N]`` int64 labels, ``N`` the number of kept positions, on their device.
+        ignore_index: the module's ``ignore_index``.
+        vocab_size: ``V`` of the stock call's ``logits.view(-1, V)`` (None: the head's rows).
+            Checked against the rows the loss read when :func:`_ce_refusal` could not (a
+            tensor-parallel head's ``DTensor`` weight): stock's errors.
+
+    Returns:
+        0-d loss.
+
+    Raises:
+        RuntimeError: ``vocab_size`` does not divide ``N * rows`` (stock's ``.view``).
+        ValueError: ``vocab_size`` divides it but is not the head's rows (stock's batch-size
+            mismatch); a label outside ``[0, V)`` that is not ``ignore_index``
+            (:class:`~fused_ce_patch.errors.LabelOutOfRangeError`, also an ``IndexError`` as
+            torch's).
+    """
+    h = logits.hidden
+    h = h.reshape(-1, h.shape[-1])
+    scale = logits.scale
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(h.dtype)
+    options = logits.options
+    loss, vocab = _head_loss(logits.head, h, target, logit_scale=scale,
+                             ignore_index=ignore_index, shift=False, softcap=logits.softcap,
+                             logits_budget=options.logits_budget, backend=options.backend)
+    if vocab_size is not None and int(vocab_size) != vocab:
+        numel = h.shape[0] * vocab
+        if numel % int(vocab_size):
+            raise RuntimeError(f"shape '[-1, {int(vocab_size)}]' is invalid for input of size "
+                               f"{numel}")
+        raise ValueError(f"Expected input batch_size ({numel // int(vocab_size)}) to match "
+                         f"target batch_size ({target.shape[0]}).")
+    nan = torch.where((target != ignore_index).any(), 0.0, float("nan"))
+    loss = loss + nan.to(device=loss.device, dtype=loss.dtype)
+    dtype = _stock_logits_dtype(logits)
+    if torch.is_autocast_enabled(h.device.type):
+        with torch.no_grad():  # autocast may compute cross_entropy in float32
+            dtype = _F_CROSS_ENTROPY(torch.zeros(1, 1, dtype=dtype, device=h.device),
+                                     torch.zeros(1, dtype=torch.long, device=h.device)).dtype
+    return loss.to(dtype)
+
+
+def _lse_refusal(logits: DeferredLogits, dim) -> str | None:
+    """Why ``logits.logsumexp(dim=dim)`` should be computed from real logits, or None."""
+    if isinstance(dim, bool) or dim not in (-1, logits.hidden.dim() - 1):
+        return f"an extra loss term takes logsumexp over dim {dim!r}"
+    if logits.scale is not None or logits.softcap is not None:
+        return "an extra loss term takes the logsumexp of transformed logits"
+    if torch.is_autocast_enabled(logits.hidden.device.type):
+        return "an extra loss term takes logsumexp under autocast"
+    return _loss_refusal(logits, None, None, None, None)
+
+
+def _fused_lse(logits: DeferredLogits) -> torch.Tensor:
+    """Stock's ``logits.logsumexp(dim=-1)`` without the logits, or from real ones when the head
+    cannot be read that way (:func:`~.head.fused_head_lse`)."""
+    options = logits.options
+    try:
+        lse = fused_head_lse(logits.head, logits.hidden, logits_budget=options.logits_budget,
+                             backend=options.backend)
+    except UnsupportedModelError as exc:
+        return materialize(logits, str(exc)).logsumexp(dim=-1)
+    return lse.to(logits.hidden.dtype)
 
 
 def fused_head_loss(

@@ -57,6 +57,7 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from ..loss import fused_linear_cross_entropy
+from ..token_stats import fused_linear_token_stats
 from ..vocab_parallel import dtensor_vocab_shard, vocab_parallel_linear_cross_entropy
 from .loss_mapping import defined_in
 
@@ -655,3 +656,59 @@ def _lora(head, name, hidden, check_only, owners):
             extra = (lora_b.bias * scale).to(weight.dtype)
             bias = extra if bias is None else bias + extra
     return torch.cat(hs, dim=-1), torch.cat(ws, dim=1), bias
+
+
+def fused_head_lse(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    *,
+    name: str = "lm_head",
+    logits_budget: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Per-position ``logsumexp`` of ``head(hidden)`` over the vocabulary, without the logits.
+
+    From :func:`~fused_ce_patch.fused_linear_token_stats` with every label 0:
+    ``LSE = z_0 - log p_0`` where ``z_0 = h·W[0] (+ b[0])`` is gathered directly; the gradient
+    is autograd's of that difference (``softmax(z)·W`` for ``h`` in exact arithmetic).
+
+    Only for a head read directly from its own weight: a plain ``nn.Linear`` with no
+    parameter-gathering owner, no tensor-parallel layout, no parametrization and no adapter
+    (a LoRA head's dropout would be drawn a second time in this call).
+
+    Args:
+        head: the module returned by ``model.get_output_embeddings()``.
+        hidden: ``[..., H]`` hidden states on the weight's device, its dtype.
+        name: how error messages name the head.
+        logits_budget, backend: as :func:`~fused_ce_patch.fused_linear_token_stats`.
+
+    Returns:
+        ``[...]`` float32 (float64 for float64 inputs) log-sum-exp per position.
+
+    Raises:
+        UnsupportedModelError: the head is not such a plain linear map (names why).
+    """
+    owners: list = []
+    _resolve(head, name, check_only=True, owners=owners)
+    weight = getattr(head, "weight", None)
+    why = None
+    if not isinstance(head, nn.Linear):
+        why = f"a {type(head).__qualname__}"
+    elif owners or tp_head_layout(head, name) is not None:
+        why = "sharded or gathered by a wrapper"
+    elif parametrized(head):
+        why = "parametrized"
+    elif type(weight).__name__ == "DTensor" or weight.device != hidden.device:
+        why = f"on {weight.device}, the hidden states on {hidden.device}"
+    if why is not None:
+        raise UnsupportedModelError(
+            f"the fused log-sum-exp reads a plain nn.Linear {name} directly; {name} is {why}")
+    bias = head.bias
+    zeros = torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
+    stats = fused_linear_token_stats(hidden, weight, zeros, bias=bias,
+                                     logits_budget=logits_budget, backend=backend)
+    acc = stats.log_probs.dtype
+    z0 = hidden.to(acc) @ weight[0].to(acc)
+    if bias is not None:
+        z0 = z0 + bias[0].to(acc)
+    return z0 - stats.log_probs
