@@ -601,11 +601,14 @@ def _rewrite_loss_function_block(stmt, name, head_attr, where) -> list:
     ``if labels is not None:``) in place to the fused loss; returns the statements that follow
     the call inside that ``if`` (extra loss terms, kept as they are: :func:`_check_extra_terms`).
     """
-    inner, extra = stmt, []
+    inner, extra, views = stmt, [], {name}
     if isinstance(stmt, ast.If):
         if stmt.orelse or not stmt.body:
             raise UnsupportedModelError(f"{where}: the loss block has an `else:`")
-        inner, extra = stmt.body[0], stmt.body[1:]
+        at = next((i for i, s in enumerate(stmt.body) if _contains_loss_call(s)), 0)
+        for prelude in stmt.body[:at]:
+            views |= _prelude_views(prelude, name, head_attr, where)
+        inner, extra = stmt.body[at], stmt.body[at + 1:]
     if not (isinstance(inner, ast.Assign) and isinstance(inner.value, ast.Call)
             and _is_self_attr(inner.value.func, "loss_function")):
         raise UnsupportedModelError(
@@ -615,7 +618,7 @@ def _rewrite_loss_function_block(stmt, name, head_attr, where) -> list:
     call = inner.value
     first = call.args[0] if call.args else next(
         (k.value for k in call.keywords if k.arg == "logits"), None)
-    if not _is_name(first, name):
+    if not (isinstance(first, ast.Name) and first.id in views):
         raise UnsupportedModelError(f"{where}: the loss is not computed from `{name}`")
     if not any(k.arg is None for k in call.keywords):
         raise UnsupportedModelError(
@@ -625,6 +628,33 @@ def _rewrite_loss_function_block(stmt, name, head_attr, where) -> list:
     call.func = ast.Name(id=LOSS, ctx=ast.Load())
     call.args.insert(0, ast.Name(id="self", ctx=ast.Load()))  # the model, for its live loss
     return extra
+
+
+def _prelude_views(stmt, name, head_attr, where) -> set:
+    """Check one statement before the loss call inside the loss block; return the names it
+    binds to positions of the logits. Accepted (GIT): statements that never see the logits,
+    ``X = name[...]`` / ``X = name[...].contiguous()`` (a :class:`DeferredLogits` of those
+    positions at run time, or real logits for another index), and ``if`` blocks of both."""
+    if isinstance(stmt, ast.If) and not _mentions(stmt.test, name):
+        views = set()
+        for inner in (*stmt.body, *stmt.orelse):
+            views |= _prelude_views(inner, name, head_attr, where)
+        return views
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
+            and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id not in (name, "loss"):
+        value = stmt.value
+        if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                and value.func.attr == "contiguous" and not value.args and not value.keywords):
+            value = value.func.value
+        if isinstance(value, ast.Subscript) and _is_name(value.value, name) \
+                and not _mentions(value.slice, name) \
+                and not any(_is_self_attr(n, head_attr) for n in ast.walk(value.slice)):
+            return {stmt.targets[0].id}
+    if _neutral(stmt, name, head_attr):
+        return set()
+    raise UnsupportedModelError(
+        f"{where}: the loss block does more than the loss call before it: "
+        f"`{ast.unparse(stmt).splitlines()[0]}`")
 
 
 def _is_ce_ctor(node) -> bool:

@@ -231,14 +231,34 @@ class DeferredLogits:
         ops: every transform as recorded, ``(kind, operand)``, to replay on real logits.
         real: the stock logits once this call materialised them (:func:`materialize`), else
             None.
+        parent: ``(logits, key)`` when these are ``logits[key]``, positions selected and the
+            vocabulary whole (:meth:`__getitem__`), else None.
     """
 
-    __slots__ = ("model", "hidden", "head", "scale", "softcap", "options", "ops", "real")
+    __slots__ = ("model", "hidden", "head", "scale", "softcap", "options", "ops", "real",
+                 "parent")
 
     def __init__(self, model, hidden, head, options):
         self.model, self.hidden, self.head, self.options = model, hidden, head, options
         self.scale, self.softcap, self.ops = None, None, []
         self.real = None  # the stock logits, once a call had to materialise them
+        self.parent = None
+
+    def __getitem__(self, key):
+        """``logits[:, a:b, :]`` — positions selected by slices, the vocabulary whole — as the
+        deferred logits of those positions (GIT drops its image positions before the loss);
+        any other index computes the real logits and indexes them as stock does."""
+        if self.real is None and _positions_only(key, self.hidden.dim()):
+            rows = DeferredLogits(self.model, self.hidden[key[:-1]], self.head, self.options)
+            rows.scale, rows.softcap, rows.parent = self.scale, self.softcap, (self, key)
+            return rows
+        if self.real is None:
+            materialize(self, "its forward indexes the logits other than by positions")
+        return self.real[key]
+
+    def contiguous(self):
+        """``logits[...].contiguous()``: the same deferred logits (the values are the same)."""
+        return self
 
     @property
     def shape(self) -> torch.Size:
@@ -305,6 +325,14 @@ def _helpers(slot) -> dict:
     }
 
 
+def _positions_only(key, dims: int) -> bool:
+    """``key`` is a tuple of ``dims`` plain slices, the last one ``:`` (the whole vocabulary)."""
+    return (isinstance(key, tuple) and len(key) == dims and all(
+        isinstance(k, slice) and all(v is None or (isinstance(v, int) and not isinstance(v, bool))
+                                     for v in (k.start, k.stop, k.step)) for k in key)
+            and key[-1] == slice(None) and all(k.step in (None, 1) for k in key))
+
+
 def _real(logits, reason: str):
     """The real logits where the stock code runs a branch the rewrite does not express."""
     if isinstance(logits, DeferredLogits):
@@ -336,7 +364,11 @@ def materialize(logits: DeferredLogits, reason: str) -> torch.Tensor:
     on, without running the decoder twice. Warns once per class and reason."""
     if logits.real is None:
         warn_stock_path(logits.model, reason)
-        out = logits.head(logits.hidden)
+        if logits.parent is not None:  # stock's arithmetic: all positions, then the slice
+            parent, key = logits.parent
+            out = materialize(parent, reason)[key].contiguous()
+        else:
+            out = logits.head(logits.hidden)
         for kind, value in logits.ops:
             out = _apply_op(out, kind, value)
         logits.real = out

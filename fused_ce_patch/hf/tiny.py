@@ -61,7 +61,15 @@ OVERRIDES: dict[str, dict] = {
     # dots3: per-layer attention configs (sliding layers from the swa_* values), MLA and an
     # indexer, whose defaults do not shrink with the global sizes
     "dots3_note_text": _DOTS3,
+    # GIT: a 32-pixel image of 16-pixel patches (5 image positions before the text)
+    "git": {"vision_config": {"image_size": 32, "patch_size": 16}},
 }
+
+
+#: Types whose text positions follow the image's, with no placeholder tokens in ``input_ids``:
+#: their loss drops the image positions, so a text-only batch leaves nothing to score. The
+#: proof's batches carry random ``pixel_values`` of the vision config's size for them.
+IMAGE_PREFIX = ("git",)
 
 
 def _merge(into: dict, extra: dict) -> dict:
@@ -196,7 +204,7 @@ def _batches(config, torch):
     shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
     other = allowed[torch.randint(0, len(allowed), (2, 12), generator=g)]
     counted = int((shifted != -100).sum())
-    return {
+    batches = {
         "padded": {"input_ids": ids, "attention_mask": mask, "labels": labels},
         "num_items_in_batch": {"input_ids": ids, "attention_mask": mask, "labels": labels,
                                "num_items_in_batch": torch.tensor(counted + 5)},
@@ -204,3 +212,10 @@ def _batches(config, torch):
         "shift_labels": {"input_ids": ids, "attention_mask": mask, "labels": other,
                          "shift_labels": shifted},
     }
+    vision = getattr(config, "vision_config", None)
+    if getattr(config, "model_type", None) in IMAGE_PREFIX and vision is not None:
+        size, channels = vision.image_size, getattr(vision, "num_channels", 3)
+        pixels = torch.randn(2, channels, size, size, generator=g)
+        for batch in batches.values():
+            batch["pixel_values"] = pixels
+    return batches
