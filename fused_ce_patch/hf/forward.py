@@ -216,8 +216,9 @@ class DeferredLogits:
 
     Attributes:
         model: the causal LM whose forward is running.
-        hidden: the (already ``logits_to_keep``-sliced) hidden states ``[..., H]``.
-        head: the head module (checked to be ``get_output_embeddings()``).
+        hidden: the (already ``logits_to_keep``-sliced) hidden states ``[..., H]``; for a
+            head module with a transform before the projection, the projection's input.
+        head: ``get_output_embeddings()``, the projection (:mod:`.head_path`).
         scale: product of the multipliers / reciprocal divisors seen so far: None (1), a
             float, or a 0-d tensor when an operand requires grad.
         softcap: final-logit softcap ``c`` (None: off).
@@ -245,16 +246,20 @@ def _helpers(slot) -> dict:
     from a context variable, so ``torch.compile`` traces the call without a graph break.
     """
 
-    def defer(model, head, hidden):
+    def defer(model, head, hidden_in):
+        hidden = hidden_in
         state = model.__dict__.get(STATE_ATTR)
         options = state.options if state is not None else slot.options
         if options is None:  # only the patched forward calls the rewritten one
             raise RuntimeError("fused_ce_patch: rewritten forward called outside the patch")
-        if head is not model.get_output_embeddings():
-            # e.g. get_output_embeddings replaced on the instance: the head the forward calls
-            # is the one stock calls, so this call computes it as stock does
-            warn_stock_path(model, "the head its forward calls is not get_output_embeddings()")
-            return head(hidden)
+        projection = model.get_output_embeddings()
+        if head is not projection:
+            # A head module with a transform before the projection (RoBERTa, BERT): the fused
+            # loss takes the projection's input, computed by the head's own code (.head_path).
+            hidden = _projection_input(model, head, projection, hidden, state)
+            if hidden is None:
+                return head(hidden_in)
+            head = projection
         return DeferredLogits(model, hidden, head, options)
 
     # Looked up at call time, so a spy on this module's functions sees every call.
@@ -264,6 +269,33 @@ def _helpers(slot) -> dict:
         LOSS: lambda *args, **kwargs: _loss(*args, **kwargs),
         DONE: lambda logits: _done(logits),
     }
+
+
+def _projection_input(model, head, projection, hidden, state):
+    """``hidden`` through ``head``'s code up to ``projection`` (:mod:`.head_path`), or None
+    (after one warning) when this call must run the stock head call instead: ``projection``
+    is not inside ``head`` (e.g. ``get_output_embeddings`` replaced on the instance), a module
+    on the way is hooked or its forward replaced, or, for an instance patch, a class forward on
+    the way is not the one analysed when the model was patched."""
+    from .head_path import resolve
+
+    name = "the head module"
+    if not isinstance(head, torch.nn.Module) or not any(m is projection for m in head.modules()):
+        warn_stock_path(model, "the head its forward calls is not get_output_embeddings()")
+        return None
+    path = resolve(head, projection, name)
+    if isinstance(path, str):
+        reason = path
+    elif getattr(state, "head_forwards", None) not in (None, path.forwards):
+        changed = [f for f, g in zip(path.forwards, state.head_forwards) if f is not g]
+        what = changed[0].__qualname__ if changed else "a module's forward"
+        reason = (f"{what} on the way from its head module to get_output_embeddings() is not "
+                  f"the one analysed by apply_fused_ce")
+    else:
+        return path.prefix(head, hidden)
+    warn_stock_path(model, f"its head call cannot be split into a transform and "
+                           f"get_output_embeddings() now: {reason}")
+    return None
 
 
 def _apply_op(logits: torch.Tensor, kind: str, value):
