@@ -263,6 +263,8 @@ def resolve(head: nn.Module, projection: nn.Module, name: str = "lm_head") -> He
         child = module._modules.get(level.child)
         names.append(f"{names[-1]}.{level.child}")
         forwards.append(fn)
+        if child is not None and getattr(module, level.child, None) is not child:
+            return f"{names[-1]} is shadowed by another attribute of that name"
         if child is projection:
             digest = hashlib.sha256(
                 "\0".join(_analyse(f).digest for f in forwards).encode()).hexdigest()[:16]
