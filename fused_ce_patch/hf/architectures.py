@@ -12,7 +12,13 @@ between the head call and the loss call is a transform it knows:
 - divisor: ``logits = logits / E`` (Granite / MiniCPM3 ``logits_scaling``);
 - final-logit softcap: ``logits / E``, ``torch.tanh``, ``* E`` (Gemma 2/3/4
   ``final_logit_softcapping``), optionally under ``if E is not None:``;
-- ``logits.float()`` (a no-op for the loss: ``ForCausalLMLoss`` upcasts anyway).
+- ``logits.float()`` (a no-op for the loss: ``ForCausalLMLoss`` upcasts anyway);
+- a softcap written as a call: ``logits = self.<module>(logits)`` (Inkling2's ``Inkling2Softcap``)
+  or ``logits = <function>(logits, E)`` (xLSTM's ``soft_cap``), read from the callee's live
+  source at each call (:mod:`.forward`; anything else there computes the real logits);
+- ``if <test>: <any code> else: <transforms>`` whose test reads at most ``logits.shape``
+  (xLSTM's chunked inference, Inkling's vocabulary trim): the branch the fused loss does not
+  express computes the real logits first and runs as written.
 
 It then compiles a copy of that forward in which only those statements change: the head call
 defers (no logits), each transform is recorded, and the loss call goes to the fused loss
@@ -48,6 +54,8 @@ DEFER = "__fused_ce_defer__"
 TRANSFORM = "__fused_ce_transform__"
 LOSS = "__fused_ce_loss__"
 DONE = "__fused_ce_done__"
+MATERIALIZE = "__fused_ce_materialize__"
+HELPERS = (DEFER, TRANSFORM, LOSS, DONE, MATERIALIZE)
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,8 @@ class ArchSpec:
     @property
     def transform_name(self) -> str:
         """``none``, ``multiplier``, ``divisor``, ``softcap`` or a ``+``-joined sequence."""
-        kinds = {"mul": "multiplier", "div": "divisor", "softcap": "softcap"}
+        kinds = {"mul": "multiplier", "div": "divisor", "softcap": "softcap",
+                 "capcall": "softcap", "capfn": "softcap"}
         return "+".join(kinds[t.split()[0]] for t in self.transform) or "none"
 
 
@@ -192,7 +201,8 @@ def _head_call(stmt):
 def _transform_op(stmt, name):
     """One logit-transform statement on ``name`` as ``(kind, expr)``, else None.
 
-    ``kind`` is ``mul``, ``div``, ``tanh`` or ``float`` (no-op).
+    ``kind`` is ``mul``, ``div``, ``tanh``, ``float`` (no-op), ``capcall`` (``self.<m>(name)``)
+    or ``capfn`` (``f(name, E)``, expr the tuple ``(f, E)``).
     """
     if isinstance(stmt, ast.AugAssign) and _is_name(stmt.target, name):
         if isinstance(stmt.op, ast.Mult):
@@ -218,6 +228,16 @@ def _transform_op(stmt, name):
         return None
     if isinstance(value, ast.Call):
         f = value.func
+        if _is_self_attr(f) and len(value.args) == 1 and _is_name(value.args[0], name) \
+                and not value.keywords:
+            return "capcall", f  # `logits = self.logit_softcap(logits)`: checked at each call
+        plain_callee = isinstance(f, ast.Name) or (isinstance(f, ast.Attribute)
+                                                   and f.attr != "tanh")
+        if plain_callee and len(value.args) == 2 and _is_name(value.args[0], name) \
+                and not _mentions(value.args[1], name) and not value.keywords \
+                and not _mentions(f, name):
+            # `logits = soft_cap(logits, E)`: checked at each call
+            return "capfn", ast.Tuple(elts=[f, value.args[1]], ctx=ast.Load())
         if (isinstance(f, ast.Attribute) and f.attr == "tanh" and len(value.args) == 1
                 and _is_name(value.args[0], name) and not value.keywords):
             return "tanh", None  # torch.tanh(logits) / nn.functional.tanh(logits)
@@ -299,7 +319,7 @@ def _collapse(ops, where):
         i += 1
     seen_softcap = False
     for kind, _ in out:
-        if kind == "softcap":
+        if kind in ("softcap", "capcall", "capfn"):
             if seen_softcap:
                 raise UnsupportedModelError(f"{where}: two softcaps on the logits")
             seen_softcap = True
@@ -340,6 +360,71 @@ def _conditional_ops(stmt, name, where):
     if walrus is not None:
         ops = [(kind, walrus) for kind, _ in ops]
     return ops, guard
+
+
+def _ops_of(stmt, name, where):
+    """The recorded ops of one transform statement (plain, one-line softcap, or under
+    ``if E is not None:`` / ``if E:``, as ``"kind?guard"``), else None."""
+    op = _transform_op(stmt, name)
+    if op is not None:
+        return [op]
+    cap = _one_line_softcap(stmt, name)
+    if cap is not None:  # `logits = tanh(logits / E) * E` (RecurrentGemma)
+        return [("div", cap), ("tanh", None), ("mul", cap)]
+    cond = _conditional_ops(stmt, name, where)
+    if cond is not None:
+        # "kind?guard": the op runs when the guard holds (`is not None`, or truthiness)
+        return [(f"{k}?{cond[1]}", e) for k, e in cond[0]]
+    return None
+
+
+def _record(ops, name) -> list:
+    """``name = TRANSFORM(name, kind, expr, guard)`` statements for ``ops``, in order, with
+    ``div E, tanh, mul E`` folded into one softcap (conditional ops skip None/0 at run)."""
+    folded, i = [], 0
+    while i < len(ops):
+        kind, expr = ops[i]
+        base, _, guard = kind.partition("?")
+        if (base == "div" and i + 2 < len(ops) and ops[i + 1][0].split("?")[0] == "tanh"
+                and ops[i + 2][0].split("?")[0] == "mul"):
+            folded.append(("softcap", expr, guard or False))
+            i += 3
+            continue
+        folded.append((base, expr, guard or False))
+        i += 1
+    # `.float()` is recorded too: a no-op for the fused loss, replayed when a call has to
+    # materialise the logits (forward.py), so they come out exactly as stock's.
+    return [_assign(name, _call(
+        TRANSFORM, ast.Name(id=name, ctx=ast.Load()), ast.Constant(kind),
+        ast.Constant(None) if expr is None else expr, ast.Constant(optional),
+    )) for kind, expr, optional in folded]
+
+
+def _materializing_if(stmt, name, head_attr, where):
+    """``(else_ops, reason)`` for ``if <test>: <body> [else: <transform statements>]`` whose test
+    reads the logits only through ``name.shape`` and whose body neither returns nor touches the
+    loss or the head: the rewrite runs the body on the real logits (the stock code), the else
+    branch as recorded ops. None for any other statement."""
+    if not isinstance(stmt, ast.If):
+        return None
+    shape_reads = {id(n.value) for n in ast.walk(stmt.test)
+                   if isinstance(n, ast.Attribute) and n.attr == "shape" and _is_name(n.value, name)}
+    if any(_is_name(n, name) and id(n) not in shape_reads for n in ast.walk(stmt.test)):
+        return None
+    for node in ast.walk(ast.Module(body=stmt.body, type_ignores=[])):
+        if isinstance(node, (ast.Return, ast.Yield, ast.YieldFrom, ast.Global, ast.Nonlocal)) \
+                or _is_name(node, "loss") or _is_self_attr(node, head_attr) \
+                or _is_self_attr(node, "loss_function"):
+            return None
+    else_ops = []
+    for inner in stmt.orelse:
+        found = _ops_of(inner, name, where)
+        if found is None:
+            return None
+        else_ops += found
+    test = ast.unparse(stmt.test)
+    test = test if len(test) <= 60 else test[:57] + "..."
+    return else_ops, f"its forward takes a branch the fused loss does not express (`if {test}`)"
 
 
 def _call(func: str, *args) -> ast.Call:
@@ -383,59 +468,45 @@ def _derive(klass: type, stock) -> ArchSpec:
     if sum(_contains_loss_call(s) for s in body) != 1:
         raise UnsupportedModelError(f"{where}: more than one self.loss_function call")
 
-    # The transform statements between head and loss.
-    ops, new_between, locals_before = list(head_ops), [], []
+    # The transform statements between head and loss, emitted in order: runs of recorded ops,
+    # and `if` statements whose unexpressed branch computes the real logits first.
+    ops, emitted, pending, locals_before = list(head_ops), [], list(head_ops), []
     for stmt in body[head_at + 1:loss_at]:
         if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
                 and _is_name(stmt.targets[0], "loss") and isinstance(stmt.value, ast.Constant)
                 and stmt.value.value is None):
-            new_between.append(stmt)
+            emitted += _record(pending, name)
+            pending = []
+            emitted.append(stmt)
             continue
-        op = _transform_op(stmt, name)
-        if op is not None:
-            ops.append(op)
-            continue
-        cap = _one_line_softcap(stmt, name)
-        if cap is not None:  # `logits = tanh(logits / E) * E` (RecurrentGemma)
-            ops += [("div", cap), ("tanh", None), ("mul", cap)]
+        found = _ops_of(stmt, name, where)
+        if found is not None:
+            ops += found
+            pending += found
             continue
         if _plain_local(stmt, name, ops, body[:head_at]):
             # `cap = self.config.logits_soft_cap`: a read with no effect, run before the
             # recorded ops that use it
             locals_before.append(stmt)
             continue
-        cond = _conditional_ops(stmt, name, where)
-        if cond is not None:
-            # "kind?guard": the op runs when the guard holds (`is not None`, or truthiness)
-            ops.extend((f"{k}?{cond[1]}", e) for k, e in cond[0])
+        branch = _materializing_if(stmt, name, head_attr, where)
+        if branch is not None:
+            else_ops, reason = branch
+            ops += else_ops
+            emitted += _record(pending, name)
+            pending = []
+            stmt.body.insert(0, _assign(name, _call(
+                MATERIALIZE, ast.Name(id=name, ctx=ast.Load()), ast.Constant(reason))))
+            stmt.orelse = _record(else_ops, name)
+            emitted.append(stmt)
             continue
         raise UnsupportedModelError(
             f"{where}: unknown statement between the head and the loss: "
             f"`{ast.unparse(stmt).splitlines()[0]}`"
         )
+    emitted += _record(pending, name)
     plain = [(k.split("?")[0], e) for k, e in ops]
     transform = _collapse(plain, where)
-    # Record every op on the deferred logits, in order (conditional ones skip None/0 at run).
-    recorded = []
-    i = 0
-    folded = []
-    while i < len(ops):
-        kind, expr = ops[i]
-        base, _, guard = kind.partition("?")
-        if (base == "div" and i + 2 < len(ops) and ops[i + 1][0].split("?")[0] == "tanh"
-                and ops[i + 2][0].split("?")[0] == "mul"):
-            folded.append(("softcap", expr, guard or False))
-            i += 3
-            continue
-        folded.append((base, expr, guard or False))
-        i += 1
-    for kind, expr, optional in folded:
-        # `.float()` is recorded too: a no-op for the fused loss, replayed when a call has to
-        # materialise the logits (forward.py), so they come out exactly as stock's.
-        recorded.append(_assign(name, _call(
-            TRANSFORM, ast.Name(id=name, ctx=ast.Load()), ast.Constant(kind),
-            ast.Constant(None) if expr is None else expr, ast.Constant(optional),
-        )))
 
     # The loss statement: `loss = self.loss_function(logits, labels, ...)`, possibly under
     # `if labels is not None:`; its first argument must be the head's output.
@@ -476,8 +547,7 @@ def _derive(klass: type, stock) -> ArchSpec:
                             ast.Attribute(value=ast.Name(id="self", ctx=ast.Load()),
                                           attr=head_attr, ctx=ast.Load()), arg)),
         *locals_before,
-        *recorded,
-        *new_between,
+        *emitted,
         loss_stmt,
         _assign(name, _call(DONE, ast.Name(id=name, ctx=ast.Load()))),
         *tail,
@@ -572,13 +642,12 @@ def _compile_factory(tree, fn, raw, chain):
     """``build(helpers) -> forward``: the rewritten function inside copies of the stock wrappers.
 
     The rewritten ``def`` is compiled inside a factory whose parameters are the helper names
-    (:data:`DEFER`, ...), so the helpers are closure variables and the function's globals are
+    (:data:`HELPERS`), so the helpers are closure variables and the function's globals are
     the modeling module's own ``__dict__``: a module global replaced after the patch (a fixed
     ``load_balancing_loss_func``, a patched helper) is seen by the fused forward exactly as
     by the stock one. Nothing is added to the module.
     """
-    template = ast.parse(f"def __fused_ce_factory__({DEFER}, {TRANSFORM}, {LOSS}, {DONE}):\n"
-                         f"    pass\n")
+    template = ast.parse(f"def __fused_ce_factory__({', '.join(HELPERS)}):\n    pass\n")
     factory = template.body[0]
     factory.body = [fn, ast.Return(value=ast.Name(id=fn.name, ctx=ast.Load()))]
     ast.fix_missing_locations(template)
@@ -590,7 +659,7 @@ def _compile_factory(tree, fn, raw, chain):
     make = types.FunctionType(factory_code, module.__dict__)
 
     def build(helpers: dict):
-        inner = make(*(helpers[k] for k in (DEFER, TRANSFORM, LOSS, DONE)))
+        inner = make(*(helpers[k] for k in HELPERS))
         inner.__qualname__, inner.__module__, inner.__doc__ = (
             raw.__qualname__, raw.__module__, raw.__doc__)
         inner.__dict__.update({k: v for k, v in raw.__dict__.items() if k != "__wrapped__"})

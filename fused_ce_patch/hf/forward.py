@@ -57,14 +57,16 @@ import warnings
 import torch
 
 from ..errors import UnsupportedModelError
-from .architectures import DEFER, DONE, LOSS, TRANSFORM, ArchSpec
+from .architectures import DEFER, DONE, LOSS, MATERIALIZE, TRANSFORM, ArchSpec
 from .head import check_head, head_operands, parametrized
 from .head import fused_head_loss as _head_loss
+from .head_path import resolve
 from .loss_mapping import forward_ad_dual, functorch_active, fused_loss_refusal
 from .registry import PATCHED as _PATCHED
 from .registry import STOCK as _STOCK
 from .registry import stock_forward_of, wraps_patched
 from .sentinel import RETURN_LOGITS_ENV, NotMaterializedLogits
+from .softcap_call import callable_softcap
 
 #: Instance attribute holding an instance patch's state (options, forward it replaced).
 STATE_ATTR = "_fused_ce_state"
@@ -234,6 +236,12 @@ class DeferredLogits:
         self.scale, self.softcap, self.ops = None, None, []
         self.real = None  # the stock logits, once a call had to materialise them
 
+    @property
+    def shape(self) -> torch.Size:
+        """The stock logits' shape, ``[..., V]`` (a stock test such as ``logits.shape[1] > n``
+        reads it without logits)."""
+        return torch.Size((*self.hidden.shape[:-1], _vocab_rows(self.head, self.hidden)))
+
     def __repr__(self):
         return f"DeferredLogits(hidden={tuple(self.hidden.shape)}, scale={self.scale}, " \
                f"softcap={self.softcap})"
@@ -268,6 +276,7 @@ def _helpers(slot) -> dict:
         TRANSFORM: lambda *args: _transform(*args),
         LOSS: lambda *args, **kwargs: _loss(*args, **kwargs),
         DONE: lambda logits: _done(logits),
+        MATERIALIZE: lambda logits, reason: _real(logits, reason),
     }
 
 
@@ -277,8 +286,6 @@ def _projection_input(model, head, projection, hidden, state):
     is not inside ``head`` (e.g. ``get_output_embeddings`` replaced on the instance), a module
     on the way is hooked or its forward replaced, or, for an instance patch, a class forward on
     the way is not the one analysed when the model was patched."""
-    from .head_path import resolve
-
     name = "the head module"
     if not isinstance(head, torch.nn.Module) or not any(m is projection for m in head.modules()):
         warn_stock_path(model, "the head its forward calls is not get_output_embeddings()")
@@ -298,6 +305,13 @@ def _projection_input(model, head, projection, hidden, state):
     return None
 
 
+def _real(logits, reason: str):
+    """The real logits where the stock code runs a branch the rewrite does not express."""
+    if isinstance(logits, DeferredLogits):
+        return materialize(logits, reason)
+    return logits
+
+
 def _apply_op(logits: torch.Tensor, kind: str, value):
     """One recorded transform on real logits, written as the stock statements are."""
     if kind == "mul":
@@ -308,6 +322,10 @@ def _apply_op(logits: torch.Tensor, kind: str, value):
         logits = logits / value
         logits = torch.tanh(logits)
         return logits * value
+    if kind == "capcall":
+        return value(logits)
+    if kind == "capfn":
+        return value[0](logits, value[1])
     return logits.float()  # "float"
 
 
@@ -369,6 +387,17 @@ def _transform(logits, kind: str, value, optional):
         return logits
     if kind == "float":
         return logits
+    if kind in ("capcall", "capfn"):
+        value, odd = callable_softcap(kind, value)
+        if odd is not None:
+            materialize(logits, odd)
+            return logits
+        if value is None:  # `soft_cap(logits, None)` returns its input
+            return logits
+        kind = "softcap"
+    if kind == "softcap" and logits.softcap is not None:
+        materialize(logits, "two softcaps apply to its logits")
+        return logits
     operand, odd = _operand(kind, value)
     if odd is None and logits.softcap is not None and kind != "softcap":
         odd = "a logit scale follows its softcap"
@@ -385,13 +414,16 @@ def _transform(logits, kind: str, value, optional):
     return logits
 
 
+def _vocab_rows(head, hidden) -> int:
+    return head.out_features if hasattr(head, "out_features") \
+        else head_operands(head, hidden)[1].shape[0]
+
+
 def _done(logits):
     if isinstance(logits, DeferredLogits):
         if logits.real is not None:
             return logits.real
-        return NotMaterializedLogits((*logits.hidden.shape[:-1], logits.head.out_features
-                                      if hasattr(logits.head, "out_features")
-                                      else head_operands(logits.head, logits.hidden)[1].shape[0]))
+        return NotMaterializedLogits(tuple(logits.shape))
     return logits
 
 

@@ -108,11 +108,11 @@ def test_class_patcher_with_instance(spy):
 
 
 def test_unsupported_model_type():
-    # BERT's head is `self.cls(...)`, not a plain `lm_head` call: refused by the derivation.
-    from transformers import BertConfig, BertLMHeadModel
+    # XLM computes its loss inside its prediction layer (`self.pred_layer(output, labels)`),
+    # with no head call and loss call to rewrite: refused by the derivation.
+    from transformers import XLMConfig, XLMWithLMHeadModel
 
-    model = BertLMHeadModel(BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
-                                       intermediate_size=32, vocab_size=50, is_decoder=True))
+    model = XLMWithLMHeadModel(XLMConfig(n_layers=1, emb_dim=16, n_heads=2, vocab_size=50))
     with pytest.raises(UnsupportedModelError) as info:
         apply_fused_ce(model)
     assert isinstance(info.value, ValueError)
