@@ -286,20 +286,28 @@ def _projection_input(model, head, projection, hidden, state):
     is not inside ``head`` (e.g. ``get_output_embeddings`` replaced on the instance), a module
     on the way is hooked or its forward replaced, or, for an instance patch, a class forward on
     the way is not the one analysed when the model was patched."""
-    name = "the head module"
+    path = _head_path_now(model, head, projection, getattr(state, "head_forwards", None))
+    if path is None:
+        return None
+    return path.prefix(head, hidden)  # the head's own code: traced by torch.compile
+
+
+@torch.compiler.disable
+def _head_path_now(model, head, projection, recorded):
+    # Reads sources and module state (an eager graph break under torch.compile, not traced).
     if not isinstance(head, torch.nn.Module) or not any(m is projection for m in head.modules()):
         warn_stock_path(model, "the head its forward calls is not get_output_embeddings()")
         return None
-    path = resolve(head, projection, name)
+    path = resolve(head, projection, "the head module")
     if isinstance(path, str):
         reason = path
-    elif getattr(state, "head_forwards", None) not in (None, path.forwards):
-        changed = [f for f, g in zip(path.forwards, state.head_forwards) if f is not g]
+    elif recorded is not None and path.forwards != recorded:
+        changed = [f for f, g in zip(path.forwards, recorded) if f is not g]
         what = changed[0].__qualname__ if changed else "a module's forward"
         reason = (f"{what} on the way from its head module to get_output_embeddings() is not "
                   f"the one analysed by apply_fused_ce")
     else:
-        return path.prefix(head, hidden)
+        return path
     warn_stock_path(model, f"its head call cannot be split into a transform and "
                            f"get_output_embeddings() now: {reason}")
     return None

@@ -450,3 +450,30 @@ def test_head_forward_with_a_closure_takes_the_stock_path(monkeypatch, spy):
         _assert_same(got, want)
     finally:
         revert_fused_ce(cls)
+
+
+@pytest.mark.parametrize("targets", [["lm_head.dense", "query"], ["lm_head.decoder", "query"]])
+def test_lora_inside_the_transform_or_on_the_projection(targets, spy):
+    """PEFT LoRA on the transform's dense layer (run by the head's own code in the fused path)
+    or on the projection (folded into the fused loss's operands, hf/head.py)."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_build("roberta"), peft.LoraConfig(
+        r=4, target_modules=targets, init_lora_weights=False))
+    ref = reference_copy(model)
+    batch = _batch()
+    want = _run(ref, batch)
+    apply_fused_ce(model, backend="torch")
+    got = _run(model, batch)
+    assert spy.count == 1 and isinstance(got[0].logits, NotMaterializedLogits)
+    assert any("lora_A" in n for n in want[1])
+    _assert_same(got, want)
+
+
+def test_peft_modules_to_save_on_the_head_module_is_refused():
+    """``modules_to_save=["lm_head"]`` wraps the head module in PEFT's wrapper, whose forward
+    chooses the copy at run time: not a transform then the projection, refused by name."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_build("roberta"), peft.LoraConfig(
+        r=4, target_modules=["query"], modules_to_save=["lm_head"]))
+    with pytest.raises(UnsupportedModelError, match=r"calls self\.lm_head.*Wrapper\.forward"):
+        apply_fused_ce(model, backend="torch")
