@@ -477,3 +477,18 @@ def test_peft_modules_to_save_on_the_head_module_is_refused():
         r=4, target_modules=["query"], modules_to_save=["lm_head"]))
     with pytest.raises(UnsupportedModelError, match=r"calls self\.lm_head.*Wrapper\.forward"):
         apply_fused_ce(model, backend="torch")
+
+
+def test_compiled_patched_model():
+    """torch.compile (aot_eager): the head path's resolution runs eagerly (a graph break, no
+    tracing of source reads), the transform's code is compiled; stock's loss and gradients."""
+    model = _build("roberta")
+    ref = reference_copy(model)
+    apply_fused_ce(model, backend="torch")
+    compiled = torch.compile(model, backend="aot_eager")
+    batch = _batch()
+    want = _run(ref, batch)
+    got = _run(compiled, batch)
+    assert isinstance(got[0].logits, NotMaterializedLogits)
+    _assert_same(got, (want[0], {f"_orig_mod.{k}": v for k, v in want[1].items()}),
+                 must=[f"_orig_mod.{k}" for k in TRANSFORM_PARAMS["roberta"]])
