@@ -42,7 +42,12 @@ SHRINK = {
 #: into the shrunk kwargs (nested dicts merged key by key).
 _MROPE = {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                               "mrope_section": [2, 3, 3]}}}
-OVERRIDES: dict[str, dict] = {"qwen2_vl": _MROPE, "qwen2_5_vl": _MROPE, "glm4v": _MROPE}
+OVERRIDES: dict[str, dict] = {
+    "qwen2_vl": _MROPE, "qwen2_5_vl": _MROPE, "glm4v": _MROPE,
+    # X-MOD's forward needs a language for its adapters (lang_ids or the config's default):
+    # without one stock raises "Input language unknown"; a trained X-MOD config names one
+    "xmod": {"default_language": "en_XX"},
+}
 
 
 def _merge(into: dict, extra: dict) -> dict:

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.usefixtures("fresh_proofs")  # tests/hf/conftest.py
 VOCAB = 97  # prime: no chunk divides it
 LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5  # against stock (its loss rounds the logits to float32)
 REF_LOSS_RTOL, REF_GRAD_RTOL = 2.0 ** -23, 1e-10  # against the float64 reference
-TYPES = ("roberta", "bert", "bert-generation", "modernbert-decoder", "rembert")
+TYPES = ("roberta", "bert", "bert-generation", "modernbert-decoder", "rembert", "xmod")
 
 #: The head-transform parameters each type must give a gradient to (beyond the decoder).
 TRANSFORM_PARAMS = {
@@ -53,6 +53,7 @@ TRANSFORM_PARAMS = {
              "cls.predictions.transform.LayerNorm.bias", "cls.predictions.bias"),
     "bert-generation": ("lm_head.bias",),
     "modernbert-decoder": ("lm_head.dense.weight", "lm_head.norm.weight", "decoder.bias"),
+    "xmod": ("lm_head.dense.weight", "lm_head.layer_norm.weight", "lm_head.bias"),
     "rembert": ("cls.predictions.dense.weight", "cls.predictions.LayerNorm.weight",
                 "cls.predictions.decoder.bias"),
 }
@@ -65,6 +66,8 @@ def _config(model_type: str):
     if model_type == "modernbert-decoder":
         common.update(sliding_window=8, local_attention=16, cls_token_id=1, sep_token_id=2,
                       layer_types=["full_attention", "sliding_attention"])
+    if model_type == "xmod":  # its adapters need a language (stock raises without one)
+        common.update(languages=["en_XX", "de_DE"], default_language="de_DE")
     if model_type == "rembert":
         common.update(input_embedding_size=16, output_embedding_size=24)
     config = transformers.AutoConfig.for_model(model_type, **common)
