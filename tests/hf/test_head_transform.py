@@ -495,3 +495,15 @@ def test_compiled_patched_model():
     assert isinstance(got[0].logits, NotMaterializedLogits)
     _assert_same(got, (want[0], {f"_orig_mod.{k}": v for k, v in want[1].items()}),
                  must=[f"_orig_mod.{k}" for k in TRANSFORM_PARAMS["roberta"]])
+
+
+def test_deep_copy_of_a_patched_model_keeps_the_head_path(spy):
+    model = _build("bert")
+    ref = reference_copy(model)
+    apply_fused_ce(model, backend="torch")
+    clone = copy.deepcopy(model)
+    assert clone._fused_ce_state.head_forwards == model._fused_ce_state.head_forwards
+    batch = _batch()
+    got, want = _run(clone, batch), _run(ref, batch)
+    assert spy.count == 1 and isinstance(got[0].logits, NotMaterializedLogits)
+    _assert_same(got, want, must=TRANSFORM_PARAMS["bert"])
