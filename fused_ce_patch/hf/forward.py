@@ -8,7 +8,9 @@ forward's own wrapper layers (decoder call with every argument passed through,
 ``logits_to_keep`` slicing, MoE router aux loss, output class and fields), except that
 
 1. ``logits = self.lm_head(hidden)`` keeps the operands (:class:`DeferredLogits`) instead of
-   computing logits;
+   computing logits; a head module with a transform before ``get_output_embeddings()``
+   (RoBERTa, BERT) runs its own code up to that projection, whose input becomes the hidden
+   states (:mod:`.head_path`);
 2. each logit-transform statement (multiplier, divisor, final-logit softcap, ``.float()``) is
    recorded on it;
 3. ``self.loss_function(logits, labels, vocab_size, **kwargs)`` becomes
