@@ -326,7 +326,7 @@ class _ReturnsEarly(transformers.models.roberta.modeling_roberta.RobertaLMHead):
 
 class _TwoLevelsReturnsOther(transformers.models.bert.modeling_bert.BertOnlyMLMHead):
     def forward(self, sequence_output):
-        scores = self.predictions(sequence_output)
+        scores = self.predictions(sequence_output)  # noqa: F841 - the shape under test
         return sequence_output
 
 
