@@ -11,6 +11,11 @@ class UnsupportedModelError(ValueError):
     """``apply_fused_ce`` was given a model whose architecture has no patch."""
 
 
+class NoLossToFuseError(UnsupportedModelError):
+    """The model's ``forward`` takes no labels and computes no loss (an assistant or draft head
+    whose caller computes the loss from its logits): there is nothing to fuse in it."""
+
+
 class LabelOutOfRangeError(ValueError, IndexError):
     """A label outside ``[0, V)`` that is not ``ignore_index``.
 

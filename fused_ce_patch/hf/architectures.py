@@ -16,6 +16,8 @@ between the head call and the loss call is a transform it knows:
 - a softcap written as a call: ``logits = self.<module>(logits)`` (Inkling2's ``Inkling2Softcap``)
   or ``logits = <function>(logits, E)`` (xLSTM's ``soft_cap``), read from the callee's live
   source at each call (:mod:`.forward`; anything else there computes the real logits);
+- a statement that never names the logits, the head or the loss (GIT's
+  ``shift_labels = kwargs.pop("shift_labels", None)``), run where stock runs it;
 - ``if <test>: <any code> else: <transforms>`` whose test reads at most ``logits.shape``
   (xLSTM's chunked inference, Inkling's vocabulary trim): the branch the fused loss does not
   express computes the real logits first and runs as written.
@@ -45,7 +47,7 @@ import textwrap
 import types
 from dataclasses import dataclass, field
 
-from ..errors import UnsupportedModelError
+from ..errors import NoLossToFuseError, UnsupportedModelError
 from .registry import stock_forward_of, wraps_patched
 
 # Names the rewritten forward calls: parameters of its factory, so closure variables of the
@@ -400,6 +402,21 @@ def _record(ops, name) -> list:
     )) for kind, expr, optional in folded]
 
 
+def _neutral(stmt, name, head_attr) -> bool:
+    """A statement that never sees the logits, the head or the loss (no return, no ``if``):
+    the rewrite runs it where stock does."""
+    if isinstance(stmt, (ast.If, ast.Return, ast.FunctionDef, ast.AsyncFunctionDef,
+                         ast.ClassDef)):
+        return False
+    for node in ast.walk(stmt):
+        if isinstance(node, (ast.Return, ast.Yield, ast.YieldFrom, ast.Await, ast.Global,
+                             ast.Nonlocal, ast.Lambda)) or _is_name(node, name) \
+                or _is_name(node, "loss") or _is_self_attr(node, head_attr) \
+                or _is_self_attr(node, "loss_function"):
+            return False
+    return True
+
+
 def _materializing_if(stmt, name, head_attr, where):
     """``(else_ops, reason)`` for ``if <test>: <body> [else: <transform statements>]`` whose test
     reads the logits only through ``name.shape`` and whose body neither returns nor touches the
@@ -456,6 +473,11 @@ def _derive(klass: type, stock) -> ArchSpec:
         raise UnsupportedModelError(f"{where}: not a plain function")
     if any(_is_name(n, "super") or _is_name(n, "__class__") for n in ast.walk(fn)):
         raise UnsupportedModelError(f"{where}: calls super(), cannot be recompiled")
+    params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
+    if "labels" not in params and not _contains_loss_call(fn):
+        raise NoLossToFuseError(
+            f"{where} takes no labels and computes no loss: nothing to fuse (its caller "
+            f"computes the loss from its logits)")
     body = fn.body
     head_at = next((i for i, s in enumerate(body) if _head_call(s)), None)
     if head_at is None:
@@ -488,6 +510,16 @@ def _derive(klass: type, stock) -> ArchSpec:
             # `cap = self.config.logits_soft_cap`: a read with no effect, run before the
             # recorded ops that use it
             locals_before.append(stmt)
+            continue
+        if _neutral(stmt, name, head_attr):
+            # `shift_labels = kwargs.pop("shift_labels", None)` (GIT): stock code that never
+            # sees the logits, run in its place
+            if pending and pending[-1][0].split("?")[0] in ("div", "tanh"):
+                raise UnsupportedModelError(
+                    f"{where}: a statement inside the softcap: `{ast.unparse(stmt)[:60]}`")
+            emitted += _record(pending, name)
+            pending = []
+            emitted.append(stmt)
             continue
         branch = _materializing_if(stmt, name, head_attr, where)
         if branch is not None:

@@ -214,7 +214,7 @@ def spec_for_class(cls: type, model_type: str | None = None, *, check_verified: 
     try:
         spec = derive_spec(cls)
     except UnsupportedModelError as exc:
-        raise UnsupportedModelError(
+        raise type(exc)(
             f"fused_ce_patch cannot patch {what}: {exc}; supported model types: "
             f"{_supported_list()}"
         ) from None

@@ -99,13 +99,16 @@ def check_type(model_type: str) -> dict:
 def _check(model_type, class_name, torch):
     import transformers
 
-    from ..errors import UnsupportedModelError
+    from ..errors import NoLossToFuseError, UnsupportedModelError
     from .patch import spec_for_class
     from .proof import prove
 
     cls = getattr(transformers, class_name)
     try:
         spec = spec_for_class(cls, model_type, check_verified=False)
+    except NoLossToFuseError as exc:
+        reason = str(exc).split("; supported model types")[0]
+        return {"status": "noloss", "reason": reason.split(": ", 1)[-1]}
     except UnsupportedModelError as exc:
         reason = str(exc).split("; supported model types")[0]
         return {"status": "unsupported", "reason": reason.split(": ", 1)[-1]}
@@ -334,11 +337,12 @@ REFUSAL_KINDS = (
     ("different", "Refused: the patched forward differs from stock, or raised"),
     ("unbuildable", "Not proven: no stock model built from the class's default config trains "
                     "here (a model from your own config is proven on it)"),
+    ("noloss", "Nothing to fuse: the forward takes no labels and computes no loss"),
 )
 
 
 def _kind(status) -> str:
-    return status if status in ("unsupported", "unbuildable") else "different"
+    return status if status in ("unsupported", "unbuildable", "noloss") else "different"
 
 
 def _per_release(rows, versions) -> str:

@@ -42,11 +42,25 @@ SHRINK = {
 #: into the shrunk kwargs (nested dicts merged key by key).
 _MROPE = {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                               "mrope_section": [2, 3, 3]}}}
+_DOTS3 = {
+    "num_hidden_layers": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "head_dim": 32,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "index_topk": 8,
+    "index_head_dim": 16, "index_n_heads": 4, "sliding_window": 8,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 4, "swa_q_lora_rank": 32, "swa_kv_lora_rank": 32,
+    "swa_head_dim": 32, "swa_qk_nope_head_dim": 16, "swa_v_head_dim": 16,
+}
 OVERRIDES: dict[str, dict] = {
     "qwen2_vl": _MROPE, "qwen2_5_vl": _MROPE, "glm4v": _MROPE,
-    # X-MOD's forward needs a language for its adapters (lang_ids or the config's default):
-    # without one stock raises "Input language unknown"; a trained X-MOD config names one
+    # its LM head model asserts a decoder config; axial position embeddings and LSH attention
+    # need sequence lengths of their own factors (a 12-token batch: plain positions, local)
+    "reformer": {"is_decoder": True, "axial_pos_embds": False, "attn_layers": ["local", "local"],
+                 "local_attn_chunk_length": 4},
+    # X-MOD routes every layer through a per-language adapter: stock asks for one
     "xmod": {"default_language": "en_XX"},
+    # dots3: per-layer attention configs (sliding layers from the swa_* values), MLA and an
+    # indexer, whose defaults do not shrink with the global sizes
+    "dots3_note_text": _DOTS3,
 }
 
 
@@ -97,8 +111,9 @@ def _has(obj, key) -> bool:
 def _shrink_kwargs(config_cls, model_type, depth=0):
     default = config_cls()
     kwargs = {k: v for k, v in SHRINK.items() if k in vars(default) or _has(default, k)}
-    heads, kv = getattr(default, "num_attention_heads", None), vars(default).get(
-        "num_key_value_heads")
+    heads = getattr(default, "num_attention_heads", None) if _has(
+        default, "num_attention_heads") else None
+    kv = vars(default).get("num_key_value_heads")
     if kv is not None and heads is not None and kv >= heads:
         kwargs["num_key_value_heads"] = SHRINK["num_attention_heads"]  # MHA / MLA stay MHA
     if "head_dim" in vars(default) and vars(default)["head_dim"] is None:

@@ -74,6 +74,16 @@ USER_CONFIGS = {
                    hybrid_layer_ids=[1], mamba_d_state=16, n_mamba_heads=4, mamba_headdim=32,
                    chunk_size=16, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=4, use_mamba_kernels=False),
+    # per-layer attention configs (sliding layers take the swa_* values), MLA, an indexer
+    "dots3_note_text": dict(
+        vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+        kv_lora_rank=32, head_dim=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, index_topk=8, index_head_dim=16,
+        index_n_heads=4, shared_experts_intermediate_size=32, sliding_window=8,
+        swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=32,
+        swa_kv_lora_rank=32, swa_head_dim=32, swa_qk_nope_head_dim=16, swa_v_head_dim=16,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "gemma3n_text": dict(
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,

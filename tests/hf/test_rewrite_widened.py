@@ -88,11 +88,28 @@ def _forward_other_cap(self, input_ids=None, labels=None, **kwargs):
     return CausalLMOutput(loss=loss, logits=logits)
 
 
-def test_only_a_pure_local_read_and_a_matching_cap_are_expressed():
+def test_locals_and_only_a_matching_cap_are_expressed():
     spec = architectures._derive(type("Pure", (), {"forward": _forward_pure}), _forward_pure)
     assert spec.transform_name == "softcap"
-    with pytest.raises(UnsupportedModelError, match=r"unknown statement.*get_cap"):
-        architectures._derive(type("Call", (), {"forward": _forward_call}), _forward_call)
+    # a local computed by a call never sees the logits: it runs where stock runs it
+    spec = architectures._derive(type("Call", (), {"forward": _forward_call}), _forward_call)
+    assert spec.transform_name == "softcap"
     with pytest.raises(UnsupportedModelError, match="unknown statement"):
         architectures._derive(type("Other", (), {"forward": _forward_other_cap}),
                               _forward_other_cap)
+
+
+def _forward_no_loss(self, input_ids=None, **kwargs):
+    return self.lm_head(self.model(input_ids).last_hidden_state)
+
+
+def test_a_forward_without_labels_or_loss_says_there_is_nothing_to_fuse():
+    from fused_ce_patch.errors import NoLossToFuseError
+    from fused_ce_patch.hf.sweep import check_type
+
+    with pytest.raises(NoLossToFuseError, match="takes no labels and computes no loss"):
+        architectures._derive(type("Draft", (), {"forward": _forward_no_loss}), _forward_no_loss)
+    # Gemma 4's assistant (draft) head: its caller computes the loss from its logits
+    row = check_type("gemma4_assistant")
+    assert row["status"] == "noloss", row
+    assert isinstance(NoLossToFuseError("x"), UnsupportedModelError)

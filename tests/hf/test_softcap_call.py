@@ -275,3 +275,56 @@ def test_warnings_are_not_raised_on_the_fused_path():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _run(model, batch)
+
+
+def _fwd_neutral(self, input_ids=None, labels=None, **kwargs):
+    hidden_states = self.model(input_ids).last_hidden_state
+    logits = self.lm_head(hidden_states)
+    self.config.seen = kwargs.pop("note", None)  # stock code that never sees the logits
+    logits = logits * self.config.scale
+    loss = None
+    if labels is not None:
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                  **kwargs)
+    return CausalLMOutput(loss=loss, logits=logits)
+
+
+class _Neutral(transformers.LlamaForCausalLM):
+    forward = _fwd_neutral
+
+
+_Neutral.__module__ = "transformers.fused_ce_test_neutral"
+
+
+def test_a_statement_that_never_sees_the_logits_runs_in_place():
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    config.scale = 0.5
+    torch.manual_seed(0)
+    model, batch = _Neutral(config).double().train(), _batch()
+    want = _run(model, batch, note="stock")
+    apply_fused_ce(model, backend="torch")
+    model.config.seen = None
+    got = _run(model, batch, note="fused")
+    assert model.config.seen == "fused"  # it ran, and `note` did not reach the loss
+    assert isinstance(got[0].logits, NotMaterializedLogits)
+    _assert_same(got, want)
+
+
+def _fwd_split_softcap(self, input_ids=None, labels=None, **kwargs):
+    logits = self.lm_head(self.model(input_ids).last_hidden_state)
+    logits = logits / self.config.cap
+    self.config.seen = kwargs.pop("note", None)
+    logits = torch.tanh(logits)
+    logits = logits * self.config.cap
+    loss = None
+    if labels is not None:
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=V, **kwargs)
+    return loss
+
+
+def test_a_statement_inside_a_softcap_is_refused():
+    cls = type("Split", (transformers.LlamaForCausalLM,), {"forward": _fwd_split_softcap})
+    with pytest.raises(UnsupportedModelError, match="inside the softcap"):
+        derive_spec(cls)
