@@ -168,8 +168,9 @@ _HEAD_NAMES = ("output", "embed_out", "lm_output", "output_layer", "output_proje
 
 
 def _head_expr(node):
-    """``(head_attr, arg, ops)`` for ``self.<head>(arg)`` followed by ``.float()`` /
-    ``.contiguous()`` / ``* E`` / ``/ E`` in one expression; else None."""
+    """``(head_attr, arg, ops)`` for ``self.<head>(arg)`` (or ``self.<proj>(self.<head>(x))``,
+    ``arg`` then the inner call) followed by ``.float()`` / ``.contiguous()`` / ``* E`` /
+    ``/ E`` in one expression; else None."""
     ops = []
     while True:
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
@@ -181,12 +182,27 @@ def _head_expr(node):
             node = node.func.value
         else:
             break
-    if not (isinstance(node, ast.Call) and _is_self_attr(node.func)):
+    if not _one_arg_self_call(node):
         return None
     attr = node.func.attr
-    if len(node.args) != 1 or node.keywords or ("head" not in attr and attr not in _HEAD_NAMES):
-        return None
+    if not _head_name(attr):
+        # `self.decoder(self.lm_head(h))` (ModernBERT decoder): a head module that is only the
+        # transform, then the projection; the inner call stays stock code (the hidden states
+        # the fused loss takes)
+        inner = node.args[0]
+        if not (_one_arg_self_call(inner) and _head_name(inner.func.attr)):
+            return None
     return attr, node.args[0], ops[::-1]
+
+
+def _head_name(attr: str) -> bool:
+    return "head" in attr or attr in _HEAD_NAMES
+
+
+def _one_arg_self_call(node) -> bool:
+    """``self.<attr>(x)``: one positional argument, no keywords."""
+    return (isinstance(node, ast.Call) and _is_self_attr(node.func) and len(node.args) == 1
+            and not node.keywords and not isinstance(node.args[0], ast.Starred))
 
 
 def _head_call(stmt):

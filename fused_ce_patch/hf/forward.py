@@ -8,7 +8,9 @@ forward's own wrapper layers (decoder call with every argument passed through,
 ``logits_to_keep`` slicing, MoE router aux loss, output class and fields), except that
 
 1. ``logits = self.lm_head(hidden)`` keeps the operands (:class:`DeferredLogits`) instead of
-   computing logits;
+   computing logits; a head module with a transform before ``get_output_embeddings()``
+   (RoBERTa, BERT) runs its own code up to that projection, whose input becomes the hidden
+   states (:mod:`.head_path`);
 2. each logit-transform statement (multiplier, divisor, final-logit softcap, ``.float()``) is
    recorded on it;
 3. ``self.loss_function(logits, labels, vocab_size, **kwargs)`` becomes
@@ -64,6 +66,7 @@ from ..errors import UnsupportedModelError
 from .architectures import CE, DEFER, DONE, LOSS, MATERIALIZE, TRANSFORM, ArchSpec
 from .head import check_head, fused_head_lse, head_operands, parametrized
 from .head import fused_head_loss as _head_loss
+from .head_path import resolve
 from .loss_mapping import forward_ad_dual, functorch_active, fused_loss_refusal
 from .registry import PATCHED as _PATCHED
 from .registry import STOCK as _STOCK
@@ -223,8 +226,9 @@ class DeferredLogits:
 
     Attributes:
         model: the causal LM whose forward is running.
-        hidden: the (already ``logits_to_keep``-sliced) hidden states ``[..., H]``.
-        head: the head module (checked to be ``get_output_embeddings()``).
+        hidden: the (already ``logits_to_keep``-sliced) hidden states ``[..., H]``; for a
+            head module with a transform before the projection, the projection's input.
+        head: ``get_output_embeddings()``, the projection (:mod:`.head_path`).
         scale: product of the multipliers / reciprocal divisors seen so far: None (1), a
             float, or a 0-d tensor when an operand requires grad.
         softcap: final-logit softcap ``c`` (None: off).
@@ -302,16 +306,20 @@ def _helpers(slot) -> dict:
     from a context variable, so ``torch.compile`` traces the call without a graph break.
     """
 
-    def defer(model, head, hidden):
+    def defer(model, head, hidden_in):
+        hidden = hidden_in
         state = model.__dict__.get(STATE_ATTR)
         options = state.options if state is not None else slot.options
         if options is None:  # only the patched forward calls the rewritten one
             raise RuntimeError("fused_ce_patch: rewritten forward called outside the patch")
-        if head is not model.get_output_embeddings():
-            # e.g. get_output_embeddings replaced on the instance: the head the forward calls
-            # is the one stock calls, so this call computes it as stock does
-            warn_stock_path(model, "the head its forward calls is not get_output_embeddings()")
-            return head(hidden)
+        projection = model.get_output_embeddings()
+        if head is not projection:
+            # A head module with a transform before the projection (RoBERTa, BERT): the fused
+            # loss takes the projection's input, computed by the head's own code (.head_path).
+            hidden = _projection_input(model, head, projection, hidden, state)
+            if hidden is None:
+                return head(hidden_in)
+            head = projection
         return DeferredLogits(model, hidden, head, options)
 
     # Looked up at call time, so a spy on this module's functions sees every call.
@@ -331,6 +339,39 @@ def _positions_only(key, dims: int) -> bool:
         isinstance(k, slice) and all(v is None or (isinstance(v, int) and not isinstance(v, bool))
                                      for v in (k.start, k.stop, k.step)) for k in key)
             and key[-1] == slice(None) and all(k.step in (None, 1) for k in key))
+
+
+def _projection_input(model, head, projection, hidden, state):
+    """``hidden`` through ``head``'s code up to ``projection`` (:mod:`.head_path`), or None
+    (after one warning) when this call must run the stock head call instead: ``projection``
+    is not inside ``head`` (e.g. ``get_output_embeddings`` replaced on the instance), a module
+    on the way is hooked or its forward replaced, or, for an instance patch, a class forward on
+    the way is not the one analysed when the model was patched."""
+    path = _head_path_now(model, head, projection, getattr(state, "head_forwards", None))
+    if path is None:
+        return None
+    return path.prefix(head, hidden)  # the head's own code: traced by torch.compile
+
+
+@torch.compiler.disable
+def _head_path_now(model, head, projection, recorded):
+    # Reads sources and module state (an eager graph break under torch.compile, not traced).
+    if not isinstance(head, torch.nn.Module) or not any(m is projection for m in head.modules()):
+        warn_stock_path(model, "the head its forward calls is not get_output_embeddings()")
+        return None
+    path = resolve(head, projection, "the head module")
+    if isinstance(path, str):
+        reason = path
+    elif recorded is not None and path.forwards != recorded:
+        changed = [f for f, g in zip(path.forwards, recorded) if f is not g]
+        what = changed[0].__qualname__ if changed else "a module's forward"
+        reason = (f"{what} on the way from its head module to get_output_embeddings() is not "
+                  f"the one analysed by apply_fused_ce")
+    else:
+        return path
+    warn_stock_path(model, f"its head call cannot be split into a transform and "
+                           f"get_output_embeddings() now: {reason}")
+    return None
 
 
 def _real(logits, reason: str):

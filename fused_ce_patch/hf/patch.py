@@ -16,6 +16,8 @@ A patched model (or a patched class's instances) computes a materialised-logits 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
 import logging
 import sys
 import weakref
@@ -33,6 +35,7 @@ from .forward import STATE_ATTR, FusedCEOptions, class_slot, patched_forward
 from .loss_mapping import apply_fused_ce_to_loss_mapping  # noqa: F401 - public, re-exported
 from .registry import is_patched_forward, stock_forward_of, wraps_patched
 from .head import check_head
+from .head_path import head_path
 
 __all__ = [
     "apply_fused_ce",
@@ -66,11 +69,15 @@ def _unpickled_state():
 
 class _InstanceState:
     __slots__ = ("options", "slot", "previous", "installed", "loss", "owner", "stock",
-                 "__weakref__")
+                 "head_forwards", "__weakref__")
 
-    def __init__(self, options, slot, previous, installed, loss, owner, stock=None):
+    def __init__(self, options, slot, previous, installed, loss, owner, stock=None,
+                 head_forwards=None):
         self.options = options
         self.stock = stock  # the class forward the instance was patched against
+        # the class forwards from the head module to the projection, as analysed at apply
+        # (None: the head is the projection)
+        self.head_forwards = head_forwards
         self.slot = slot  # "forward", or "_old_forward" under accelerate dispatch hooks
         self.previous = previous  # what was in the instance __dict__ under `slot` before
         self.installed = installed  # what apply_fused_ce put there
@@ -87,7 +94,7 @@ class _InstanceState:
             copy.deepcopy(self.options, memo), self.slot,
             copy.deepcopy(self.previous, memo), copy.deepcopy(self.installed, memo),
             copy.deepcopy(self.loss, memo), clone if isinstance(clone, nn.Module) else _NO_OWNER,
-            self.stock,
+            self.stock, self.head_forwards,
         )
         if isinstance(clone, nn.Module):
             _PATCHED_INSTANCES.add(clone)
@@ -333,17 +340,21 @@ def apply_fused_ce(
             f"e.g. the model returned by AutoModelForCausalLM.from_pretrained"
         )
     # _verified: only the parity sweep, which is what does the verifying, skips the proof.
-    spec = spec_for_class(type(target), getattr(target.config, "model_type", None),
-                          check_verified=not _verified, device=model_device(target),
-                          config=target.config)
+    model_type = getattr(target.config, "model_type", None)
+    spec = spec_for_class(type(target), model_type, check_verified=False)
     stock = _stock_forward(type(target), spec)
     head = target.get_output_embeddings()
+    head_forwards = None
     if getattr(target, spec.head_attr, None) is not head:
-        raise UnsupportedModelError(
-            f"fused_ce_patch cannot patch {type(target).__name__}: its forward calls "
-            f"self.{spec.head_attr}, which is not get_output_embeddings() (a head with more "
-            f"than the output projection)"
-        )
+        # a head module with a transform before the projection (RoBERTa, BERT): the fused
+        # loss takes the projection's input; its analysed forwards are part of what is proven
+        path = head_path(target, spec.head_attr, head)
+        head_forwards = path.forwards
+        spec = dataclasses.replace(spec, fingerprint=hashlib.sha256(
+            f"{spec.fingerprint}\0{path.fingerprint}".encode()).hexdigest()[:16])
+    if not _verified:
+        proof.ensure_proven(type(target), spec, model_type, model_device(target),
+                            target.config)
     check_head(head)
 
     state = target.__dict__.get(STATE_ATTR)
@@ -354,6 +365,7 @@ def apply_fused_ce(
         if state.stock is stock and (current is state.installed or wraps_patched(current)
                                      or _is_trl_head(current)):
             state.options = options
+            state.head_forwards = head_forwards  # a head forward replaced since: the new one
             logger.info("fused_ce_patch: %s already patched; options now %s",
                         type(target).__name__, _describe(options))
             return model
@@ -398,7 +410,7 @@ def apply_fused_ce(
     target.__dict__[slot] = installed
     loss = loss_mapping.install_instance_loss(target)
     target.__dict__[STATE_ATTR] = _InstanceState(options, slot, previous, installed, loss, target,
-                                                 stock)
+                                                 stock, head_forwards)
     _PATCHED_INSTANCES.add(target)
     from . import trl as trl_routing
 

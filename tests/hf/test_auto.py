@@ -35,12 +35,13 @@ def test_from_pretrained(tmp_path, spy):
     assert_close_rel(got.loss, want.loss, LOSS_RTOL, "loss")
 
 
-def _bert_config():
-    # BERT's LM head is an MLP, not a Linear: a type the sweep refuses.
-    from transformers import BertConfig
+def _xlm_config():
+    # XLM computes its loss inside its prediction layer (`self.pred_layer(output, labels)`): a
+    # type the derivation refuses. (BERT was the example until its head with a transform
+    # became supported, hf/head_path.py.)
+    from transformers import XLMConfig
 
-    return BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
-                      intermediate_size=32, vocab_size=97, is_decoder=True)
+    return XLMConfig(n_layers=1, emb_dim=16, n_heads=2, vocab_size=97)
 
 
 def _ours(record):
@@ -54,22 +55,22 @@ def test_unsupported_model_loads_unpatched_with_one_warning(how, tmp_path, spy):
 
     with pytest.warns(UserWarning) as record:
         if how == "from_config":
-            model = AutoFusedCEForCausalLM.from_config(_bert_config(),
+            model = AutoFusedCEForCausalLM.from_config(_xlm_config(),
                                                        fused_ce_backend="torch")
         else:
             torch.manual_seed(0)
-            AutoModelForCausalLM.from_config(_bert_config()).save_pretrained(tmp_path)
+            AutoModelForCausalLM.from_config(_xlm_config()).save_pretrained(tmp_path)
             model = AutoFusedCEForCausalLM.from_pretrained(tmp_path, fused_ce_backend="torch")
     ours = _ours(record)
     assert len(ours) == 1, [str(w.message) for w in record]
-    assert "BertLMHeadModel" in str(ours[0].message) and "bert" in str(ours[0].message)
-    assert type(model).__name__ == "BertLMHeadModel" and not is_fused_ce_applied(model)
+    assert "XLMWithLMHeadModel" in str(ours[0].message) and "xlm" in str(ours[0].message)
+    assert type(model).__name__ == "XLMWithLMHeadModel" and not is_fused_ce_applied(model)
     assert "forward" not in model.__dict__ and "_loss_function" not in model.__dict__
     model.train()
     ids = torch.randint(0, 97, (2, 8))
     out = model(input_ids=ids, labels=ids)
     assert isinstance(out.logits, torch.Tensor) and torch.isfinite(out.loss) and spy.count == 0
-    with pytest.raises(UnsupportedModelError, match="bert"):  # the explicit call still refuses
+    with pytest.raises(UnsupportedModelError, match="xlm"):  # the explicit call still refuses
         apply_fused_ce(model)
 
 
@@ -82,6 +83,6 @@ def test_bad_option_still_raises_before_loading(monkeypatch):
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_load)
     monkeypatch.setattr(AutoModelForCausalLM, "from_config", no_load)
     with pytest.raises(ValueError, match="unknown backend"):
-        AutoFusedCEForCausalLM.from_config(_bert_config(), fused_ce_backend="nope")
+        AutoFusedCEForCausalLM.from_config(_xlm_config(), fused_ce_backend="nope")
     with pytest.raises(TypeError, match="logits_budget"):
         AutoFusedCEForCausalLM.from_pretrained("x", fused_ce_logits_budget=True)
