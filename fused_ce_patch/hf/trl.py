@@ -574,6 +574,16 @@ def convert_nll_sft_trainer(trainer, target) -> object | None:
         head, sys.modules["peft"].tuners.tuners_utils.BaseTunerLayer
     ):
         return None
+    if not _forward_calls_projection(target, head):
+        # TRL's chunked head multiplies the backbone's hidden states by the projection's
+        # weight: a head transform before it (RoBERTa, BERT) would be skipped
+        logger.warning(
+            "fused_ce_patch: %s's head has a transform before its vocabulary projection, which "
+            "TRL's chunked_nll head would skip; this SFTTrainer (loss_type='nll') computes its "
+            "entropy and mean_token_accuracy from outputs.logits: pass "
+            "FusedCECallback(return_logits=True) (or use_fused_ce with "
+            "fused_ce_return_logits=True) to keep them", type(target).__name__)
+        return None
     from .registry import MISSING as _MISSING
 
     before = target.__dict__.get("forward", _MISSING)
@@ -583,6 +593,19 @@ def convert_nll_sft_trainer(trainer, target) -> object | None:
     logger.info("fused_ce_patch: SFTTrainer(loss_type='nll') reads logits for its metrics; "
                 "this trainer uses TRL's chunked_nll head, computed by fused_ce_patch")
     return before
+
+
+def _forward_calls_projection(target, head) -> bool:
+    """Whether ``target``'s forward calls its ``get_output_embeddings()`` itself as the head
+    (not a head module with a transform before it, :mod:`.head_path`)."""
+    from ..errors import UnsupportedModelError
+    from .architectures import derive_spec
+
+    try:
+        attr = derive_spec(type(target)).head_attr
+    except UnsupportedModelError:
+        return True  # not a forward we rewrite: nothing of ours to keep consistent
+    return getattr(target, attr, None) is head
 
 
 def _wrap_compute_loss(trainer, target) -> None:

@@ -401,6 +401,36 @@ def test_nll_with_compute_metrics_keeps_logits_path_and_warns(tmp_path, caplog):
     assert not trl_routing.is_trl_head_forward(model.__dict__.get("forward"))
 
 
+@pytest.mark.skipif(HAS_FUSED_HEAD, reason="trl >= 1.15 needs no conversion")
+def test_nll_on_a_head_with_a_transform_keeps_trls_head_off_and_warns(tmp_path, caplog):
+    # TRL's chunked_nll head would multiply the backbone's hidden states by the decoder
+    # weight, skipping RoBERTa's dense + layer norm: a number stock never gives
+    from transformers import RobertaConfig, RobertaForCausalLM
+
+    config = RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, intermediate_size=64, is_decoder=True,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    model = RobertaForCausalLM(config)
+    args = trl.SFTConfig(**_common(tmp_path), loss_type="nll")
+    with caplog.at_level("WARNING", logger="fused_ce_patch.hf.trl"):
+        trl.SFTTrainer(model=model, args=args,
+                       train_dataset=datasets.Dataset.from_list(_sft_rows()),
+                       processing_class=_tokenizer(), callbacks=[FusedCECallback()])
+    assert "transform before its vocabulary projection" in caplog.text
+    assert not trl_routing.is_trl_head_forward(model.__dict__.get("forward"))
+
+
+def test_forward_calls_projection_tells_transform_heads_apart():
+    from transformers import RobertaConfig, RobertaForCausalLM
+
+    roberta = RobertaForCausalLM(RobertaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, is_decoder=True))
+    llama = build_model("llama")
+    assert not trl_routing._forward_calls_projection(roberta, roberta.get_output_embeddings())
+    assert trl_routing._forward_calls_projection(llama, llama.get_output_embeddings())
+
+
 @pytest.mark.skipif(STOCK_HEAD_ON_CPU, reason="TRL's own head runs on CPU here (trl != 1.15)")
 def test_trl_head_without_a_cpu_path_fails_stock_and_trains_patched(tmp_path, token_spy):
     # trl 1.15 launches Triton kernels on CPU tensors: stock SFT cannot train on CPU, a
