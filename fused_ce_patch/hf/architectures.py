@@ -378,6 +378,23 @@ def _conditional_ops(stmt, name, where):
     return ops, guard
 
 
+def _why_not(fn) -> str:
+    """What the forward does instead, for the refusal message: a loss computed by a method
+    that takes the labels (XLM's prediction layer, ProphetNet's n-gram loss), or one head per
+    output stream (MusicGen's codebooks); "" when neither shows."""
+    for node in ast.walk(fn):
+        if isinstance(node, ast.comprehension) and _is_self_attr(node.iter) \
+                and "head" in node.iter.attr:
+            return (f": one head per output stream (`self.{node.iter.attr}`), which the fused "
+                    f"loss (one head) does not express")
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and _is_self_attr(node.func) \
+                and any(_is_name(a, "labels") for a in node.args):
+            return (f": the loss is computed inside `self.{node.func.attr}(..., labels)`, which "
+                    f"the rewrite does not read")
+    return ""
+
+
 def _ops_of(stmt, name, where):
     """The recorded ops of one transform statement (plain, one-line softcap, or under
     ``if E is not None:`` / ``if E:``, as ``"kind?guard"``), else None."""
@@ -495,7 +512,8 @@ def _derive(klass: type, stock) -> ArchSpec:
     body = fn.body
     head_at = next((i for i, s in enumerate(body) if _head_call(s)), None)
     if head_at is None:
-        raise UnsupportedModelError(f"{where}: no top-level `logits = self.lm_head(hidden)`")
+        raise UnsupportedModelError(f"{where}: no top-level `logits = self.lm_head(hidden)`"
+                                    f"{_why_not(fn)}")
     name, head_attr, arg, head_ops = _head_call(body[head_at])
     loss_at = next((i for i in range(head_at + 1, len(body)) if _contains_loss_call(body[i])),
                    None)
@@ -505,7 +523,7 @@ def _derive(klass: type, stock) -> ArchSpec:
         ce_form = loss_at is not None
     if loss_at is None:
         raise UnsupportedModelError(f"{where}: no `self.loss_function(...)` after the head "
-                                    f"(nor a `CrossEntropyLoss()` block)")
+                                    f"(nor a `CrossEntropyLoss()` block){_why_not(fn)}")
     if not ce_form and sum(_contains_loss_call(s) for s in body) != 1:
         raise UnsupportedModelError(f"{where}: more than one self.loss_function call")
 
