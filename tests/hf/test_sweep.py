@@ -43,7 +43,8 @@ def test_derivation_refuses_unknown_statements():
 
     with pytest.raises(UnsupportedModelError, match=r"inside `self.pred_layer\(\.\.\., labels"):
         derive_spec(XLMWithLMHeadModel)  # its prediction layer computes the loss
-    with pytest.raises(UnsupportedModelError, match=r"one head per output stream \(`self.lm_heads`\)"):
+    with pytest.raises(UnsupportedModelError,
+                       match=r"one head per output stream \(`self.lm_heads`\)"):
         derive_spec(MusicgenForCausalLM)  # one head per codebook, stacked
 
 
