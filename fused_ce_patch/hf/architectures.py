@@ -455,8 +455,8 @@ def _materializing_if(stmt, name, head_attr, where):
     branch as recorded ops. None for any other statement."""
     if not isinstance(stmt, ast.If):
         return None
-    shape_reads = {id(n.value) for n in ast.walk(stmt.test)
-                   if isinstance(n, ast.Attribute) and n.attr == "shape" and _is_name(n.value, name)}
+    shape_reads = {id(n.value) for n in ast.walk(stmt.test) if isinstance(n, ast.Attribute)
+                   and n.attr == "shape" and _is_name(n.value, name)}
     if any(_is_name(n, name) and id(n) not in shape_reads for n in ast.walk(stmt.test)):
         return None
     for node in ast.walk(ast.Module(body=stmt.body, type_ignores=[])):
