@@ -26,8 +26,13 @@ source that was read. :func:`resolve` reports the first of these that does not h
 patched forward then runs the stock head call (:mod:`.forward`), and ``apply_fused_ce``
 refuses a head whose forwards do not have the shape above.
 
+A forward may also end in ``return apply_chunking_to_forward(self.<method>, size, dim, x)``
+(transformers' own function, checked by identity): a position-wise method applied chunk by
+chunk along the sequence gives the values of one call, so the path continues into that method
+of the same module (Reformer's ``ReformerOnlyLMHead.forward_chunk``).
+
 Source: transformers 5.25 ``RobertaLMHead``, ``BertOnlyMLMHead`` / ``BertLMPredictionHead``,
-``BertGenerationOnlyLMHead`` for the shapes accepted.
+``BertGenerationOnlyLMHead``, ``ReformerOnlyLMHead`` for the shapes accepted.
 """
 
 from __future__ import annotations
@@ -53,11 +58,14 @@ MAX_DEPTH = 8
 
 @dataclass(frozen=True)
 class _Level:
-    """One analysed head forward: ``child`` is the attribute whose call ends it."""
+    """One analysed head forward: ``child`` is the attribute whose call ends it — a submodule,
+    or, for ``method``, a method of the same module called through transformers'
+    ``apply_chunking_to_forward`` (Reformer's ``forward_chunk``)."""
 
     child: str
     make: object  # make(next) -> the prefix copy of the forward, calling next(self.child, x)
     digest: str  # sha256 of its source (16 hex digits)
+    method: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,9 +103,23 @@ def _child_call(node):
     return node.func.attr, node.args[0]
 
 
+def _chunked_call(node):
+    """``(method, arg)`` of ``apply_chunking_to_forward(self.<method>, size, dim, arg)``, else
+    None (the caller checks that the name is transformers' function)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "apply_chunking_to_forward" and len(node.args) == 4
+            and not node.keywords and isinstance(node.args[0], ast.Attribute)
+            and isinstance(node.args[0].value, ast.Name) and node.args[0].value.id == "self"
+            and not isinstance(node.args[3], ast.Starred)):
+        return None
+    return node.args[0].attr, node.args[3]
+
+
 def _shape(fn_def: ast.FunctionDef, where: str):
-    """``(attr, arg, body)`` of a forward that ends by returning ``self.<attr>(arg)``: ``body``
-    is every statement before that call. Raises UnsupportedModelError naming the statement."""
+    """``(attr, arg, body, method)`` of a forward that ends by returning ``self.<attr>(arg)``
+    (``method`` False) or ``apply_chunking_to_forward(self.<attr>, size, dim, arg)`` (True):
+    ``body`` is every statement before that call. Raises UnsupportedModelError naming the
+    statement."""
     args = fn_def.args
     if not args.args or args.args[0].arg != "self" or args.posonlyargs:
         raise UnsupportedModelError(f"{where}: not a method of (self, ...)")
@@ -107,7 +129,11 @@ def _shape(fn_def: ast.FunctionDef, where: str):
         raise UnsupportedModelError(
             f"{where}: does not end in `return self.<module>(x)` "
             f"(ends in `{ast.unparse(last).splitlines()[0]}`)")
-    found = _child_call(last.value)
+    found, method = _child_call(last.value), False
+    if found is None and _chunked_call(last.value) is not None:
+        # a position-wise function applied chunk by chunk along the sequence: the same values
+        # as one call on every position
+        found, method = _chunked_call(last.value), True
     if found is not None:
         body = body[:-1]
     elif (isinstance(last.value, ast.Name) and len(body) >= 2
@@ -140,7 +166,7 @@ def _shape(fn_def: ast.FunctionDef, where: str):
                 raise UnsupportedModelError(
                     f"{where} {bad} (`{ast.unparse(stmt).splitlines()[0]}`), so its result is "
                     f"not the projection's output alone")
-    return found[0], found[1], body
+    return found[0], found[1], body, method
 
 
 def _same_code(fn_def: ast.FunctionDef, fn) -> bool:
@@ -182,13 +208,15 @@ def _analyse(fn) -> _Level | str:
     if not _same_code(fn_def, fn):
         return f"{where}: its code is not the code of its source file (changed since import?)"
     try:
-        attr, arg, body = _shape(fn_def, where)
+        attr, arg, body, method = _shape(fn_def, where)
     except UnsupportedModelError as exc:
         return str(exc)
+    if method and fn.__globals__.get("apply_chunking_to_forward") is not _chunking():
+        return f"{where}: its apply_chunking_to_forward is not transformers'"
+    this = ast.Name(id="self", ctx=ast.Load())
     fn_def.body = [*body, ast.Return(value=ast.Call(
         func=ast.Name(id=NEXT, ctx=ast.Load()),
-        args=[ast.Attribute(value=ast.Name(id="self", ctx=ast.Load()), attr=attr,
-                            ctx=ast.Load()), arg],
+        args=[this if method else ast.Attribute(value=this, attr=attr, ctx=ast.Load()), arg],
         keywords=[]))]
     fn_def.decorator_list = []
     factory = ast.parse(f"def __fused_ce_head_factory__({NEXT}):\n    pass\n").body[0]
@@ -206,7 +234,13 @@ def _analyse(fn) -> _Level | str:
         prefix.__qualname__ = f"{fn.__qualname__}<prefix>"
         return prefix
 
-    return _Level(attr, make, hashlib.sha256(source.encode()).hexdigest()[:16])
+    return _Level(attr, make, hashlib.sha256(source.encode()).hexdigest()[:16], method)
+
+
+def _chunking():
+    from transformers.pytorch_utils import apply_chunking_to_forward
+
+    return apply_chunking_to_forward
 
 
 def _projection_input(module, x):
@@ -258,6 +292,13 @@ def resolve(head: nn.Module, projection: nn.Module, name: str = "lm_head") -> He
             return f"its head module {names[-1]} ({odd})"
         fn = type(module).forward
         level = _analyse(fn)
+        while not isinstance(level, str) and level.method:  # same module, one of its methods
+            forwards.append(fn)
+            names.append(f"{names[-1]}.{level.child}()")
+            fn = getattr(type(module), level.child, None)
+            if len(forwards) > MAX_DEPTH or not isinstance(fn, types.FunctionType):
+                return f"{names[-1]} is not a plain method of {type(module).__name__}"
+            level = _analyse(fn)
         if isinstance(level, str):
             return level
         child = module._modules.get(level.child)

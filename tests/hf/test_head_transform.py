@@ -507,3 +507,54 @@ def test_deep_copy_of_a_patched_model_keeps_the_head_path(spy):
     got, want = _run(clone, batch), _run(ref, batch)
     assert spy.count == 1 and isinstance(got[0].logits, NotMaterializedLogits)
     _assert_same(got, want, must=TRANSFORM_PARAMS["bert"])
+
+
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_reformer_chunked_head_call_matches_stock(chunk, spy):
+    # ReformerOnlyLMHead.forward returns apply_chunking_to_forward(self.forward_chunk, ...)
+    # and forward_chunk calls the decoder: the same values as one call on every position
+    config = transformers.ReformerConfig(
+        vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+        feed_forward_size=64, is_decoder=True, axial_pos_embds=False,
+        attn_layers=["local", "local"], local_attn_chunk_length=4, chunk_size_lm_head=chunk,
+        max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
+        # its reversible layers draw dropout seeds from torch.seed() (not reproducible)
+        hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
+        lsh_attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.ReformerModelWithLMHead(config).to(torch.float64).train()
+    with torch.no_grad():
+        model.lm_head.decoder.bias.normal_(0.0, 0.1)  # the decoder bias: its gradient is tested
+    ref = reference_copy(model)
+    batch = _batch()
+    batch.pop("attention_mask")
+    want = _run(ref, batch)
+    apply_fused_ce(model, backend="torch")
+    got = _run(model, batch)
+    assert spy.count == 1, "the fused loss did not run"
+    assert isinstance(got[0].logits, NotMaterializedLogits)
+    _assert_same(got, want, must=("lm_head.decoder.bias",))
+
+
+def apply_chunking_to_forward(fn, chunk_size, dim, x):  # not transformers': doubles the output
+    return fn(x) * 2
+
+
+class _FakeChunkedHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.decoder = torch.nn.Linear(4, 5)
+
+    def forward(self, x):
+        return apply_chunking_to_forward(self.forward_chunk, 0, 1, x)
+
+    def forward_chunk(self, x):
+        return self.decoder(x)
+
+
+def test_a_chunked_call_through_another_function_is_not_split():
+    from fused_ce_patch.hf.head_path import resolve
+
+    head = _FakeChunkedHead()
+    found = resolve(head, head.decoder)
+    assert isinstance(found, str) and "apply_chunking_to_forward is not transformers'" in found
