@@ -64,7 +64,7 @@ import torch
 
 from ..errors import UnsupportedModelError
 from .architectures import CE, DEFER, DONE, LOSS, MATERIALIZE, TRANSFORM, ArchSpec
-from .head import check_head, fused_head_lse, head_operands, parametrized
+from .head import check_head, fp32_output_head, fused_head_lse, head_operands, parametrized
 from .head import fused_head_loss as _head_loss
 from .head_path import resolve
 from .loss_mapping import forward_ad_dual, functorch_active, fused_loss_refusal
@@ -527,7 +527,8 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
             and type(weight).__name__ != "DTensor" and int(vocab_size) != weight.shape[0]:
         return f"vocab_size {vocab_size} is not its lm_head's {weight.shape[0]} rows"
     if isinstance(weight, torch.Tensor) and weight.dtype != logits.hidden.dtype \
-            and not torch.is_autocast_enabled(logits.hidden.device.type):
+            and not torch.is_autocast_enabled(logits.hidden.device.type) \
+            and not fp32_output_head(logits.head):  # that head casts its operands itself
         return (f"its hidden states ({logits.hidden.dtype}) and lm_head weight ({weight.dtype}) "
                 f"differ in dtype")
     n = num_items_in_batch

@@ -263,9 +263,35 @@ def _fsdp1_class():
     return FullyShardedDataParallel
 
 
+#: transformers' float32-output heads: an ``nn.Linear`` without bias whose forward computes
+#: ``F.linear(h.float(), W.to(h.dtype).float())`` with autocast off, ``h`` first cast to the
+#: weight's dtype when ``cast_input_to_weight_dtype`` (on CUDA without grad, the same products
+#: in one float32-output matmul). transformers 5.25 ``models/ergo/modeling_ergo.py``.
+_FP32_OUTPUT_HEADS = (("transformers.models.ergo.modeling_ergo", "ErgoLinearWithFP32Output"),)
+
+
+def fp32_output_head(module) -> bool:
+    """Whether ``module`` is one of :data:`_FP32_OUTPUT_HEADS`, its class forward unchanged
+    since its module defined it."""
+    cls = type(module)
+    if (cls.__module__, cls.__qualname__) not in _FP32_OUTPUT_HEADS or \
+            not isinstance(module, nn.Linear) or getattr(module, "bias", None) is not None:
+        return False
+    defined = getattr(sys.modules.get(cls.__module__), cls.__qualname__, None)
+    return defined is cls and "forward" in cls.__dict__ and \
+        cls.forward.__code__.co_filename == sys.modules[cls.__module__].__file__
+
+
+def _fp32_operands(head, hidden, weight):
+    """The operands ``head``'s forward multiplies (:data:`_FP32_OUTPUT_HEADS`)."""
+    if head.cast_input_to_weight_dtype:
+        hidden = hidden.to(weight.dtype)
+    return hidden.float(), weight.to(hidden.dtype).float()
+
+
 def _plain_linear(module: nn.Module, name: str, owners=None, check_only: bool = False):
-    if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward or \
-            _own_call(module):
+    linear_forward = type(module).forward is nn.Linear.forward or fp32_output_head(module)
+    if not isinstance(module, nn.Linear) or not linear_forward or _own_call(module):
         raise UnsupportedModelError(
             f"{name} is a {type(module).__module__}.{type(module).__qualname__}; the fused loss "
             f"supports a plain torch.nn.Linear head (also inside PEFT modules_to_save or LoRA), "
@@ -473,6 +499,10 @@ def fused_head_loss(
             h = h * logit_scale
             bias = None if bias is None else bias * logit_scale
         vocab.append(weight.shape[0])
+        if fp32_output_head(head):  # its forward multiplies in float32 with autocast off
+            with torch.autocast(h.device.type, enabled=False):
+                return fused_linear_cross_entropy(
+                    h, weight, labels.to(h.device), bias=bias, **loss_kwargs)
         return fused_linear_cross_entropy(
             h, weight, labels.to(h.device), bias=bias, **loss_kwargs
         )
@@ -580,6 +610,7 @@ def _resolve(head, name, hidden=None, check_only=False, owners=None):
             )
         _check_no_hooks(head, name, owners)
         inner = head._fsdp_wrapped_module
+        _no_fp32_inside(inner, name)
         owners.append((head, inner))  # FSDP1 gathers in its forward, which calls ``inner``
         return _resolve(inner, f"{name}._fsdp_wrapped_module", hidden, check_only, owners)
     peft = _peft_classes()
@@ -588,6 +619,7 @@ def _resolve(head, name, hidden=None, check_only=False, owners=None):
         if isinstance(head, modules_to_save_cls):
             _check_no_hooks(head, name, owners)
             inner, which = _active_module_to_save(head)
+            _no_fp32_inside(inner, name)
             return _resolve(inner, f"{name}.{which}", hidden, check_only, owners)
         if isinstance(head, aux_wrapper):
             raise UnsupportedModelError(
@@ -604,12 +636,23 @@ def _resolve(head, name, hidden=None, check_only=False, owners=None):
     weight, bias = _plain_linear(head, name, owners, check_only)
     if check_only:
         return None
+    if fp32_output_head(head):
+        hidden, weight = _fp32_operands(head, hidden, weight)
     return hidden, weight, bias
+
+
+def _no_fp32_inside(inner, name):
+    # the fused call runs with autocast off only for the float32-output head itself
+    if fp32_output_head(inner):
+        raise UnsupportedModelError(
+            f"{name} wraps a float32-output head ({type(inner).__qualname__}); the fused loss "
+            f"takes such a head only unwrapped. {_ESCAPE}")
 
 
 def _lora(head, name, hidden, check_only, owners):
     _check_no_hooks(head, name, owners)
     base = head.get_base_layer()
+    _no_fp32_inside(base, name)
     if tp_head_layout(base, f"{name}.base_layer") is not None:
         # the LoRA weights are whole, the base weight a vocabulary shard (stock's PEFT forward
         # fails on it too); refused before the operands are joined, at apply and call time
@@ -692,7 +735,7 @@ def fused_head_lse(
     _resolve(head, name, check_only=True, owners=owners)
     weight = getattr(head, "weight", None)
     why = None
-    if not isinstance(head, nn.Linear):
+    if not isinstance(head, nn.Linear) or fp32_output_head(head):
         why = f"a {type(head).__qualname__}"
     elif owners or tp_head_layout(head, name) is not None:
         why = "sharded or gathered by a wrapper"
