@@ -172,7 +172,7 @@ def patched_forward(stock, spec: ArchSpec):
         return _PATCHED[stock][0]
     slot = _ClassSlot()
     signature = inspect.signature(stock)
-    rewritten = spec.build(_helpers(slot))
+    rewritten = spec.build(_helpers(slot, lse_terms=bool(spec.extra_terms)))
 
     @functools.wraps(stock)
     def forward(self, *args, **kwargs):
@@ -299,11 +299,13 @@ class DeferredLogits:
         return self.real.logsumexp(dim=dim)
 
 
-def _helpers(slot) -> dict:
+def _helpers(slot, lse_terms: bool = False) -> dict:
     """The functions one patched forward's rewrite calls (closure variables of the rewrite).
 
     Options come from the model (its instance patch state) or this forward's class slot, not
     from a context variable, so ``torch.compile`` traces the call without a graph break.
+    ``lse_terms``: the loss block has extra terms after the loss call (Bamba's z-loss), so the
+    loss call first settles whether they will need real logits (:func:`_settle_for_lse`).
     """
 
     def defer(model, head, hidden_in):
@@ -326,11 +328,28 @@ def _helpers(slot) -> dict:
     return {
         DEFER: defer,
         TRANSFORM: lambda *args: _transform(*args),
-        LOSS: lambda *args, **kwargs: _loss(*args, **kwargs),
+        LOSS: lambda *args, **kwargs: _loss(*args, **kwargs) if not lse_terms else (
+            _settle_for_lse(args[1] if len(args) > 1 else kwargs.get("logits")),
+            _loss(*args, **kwargs))[1],
         DONE: lambda logits: _done(logits),
         MATERIALIZE: lambda logits, reason: _real(logits, reason),
-        CE: lambda *args: _ce(*args),
+        CE: lambda *args: _ce(*args) if not lse_terms else (_settle_for_lse(args[2]),
+                                                             _ce(*args))[1],
     }
+
+
+def _settle_for_lse(logits) -> None:
+    """Materialise ``logits`` (the loss call's deferred logits) now when an extra
+    loss term after this loss call would take their log-sum-exp from a second call of the
+    head: stock calls the head once, and a head that is not a plain ``nn.Linear`` (a LoRA
+    adapter's dropout, a parametrization) may not give the same logits twice, so the loss and
+    the extra term must read one head call, as stock's do."""
+    if isinstance(logits, DeferredLogits) and logits.real is None:
+        head = logits.head
+        if not isinstance(head, torch.nn.Linear) or parametrized(head):
+            materialize(logits, f"an extra loss term takes the log-sum-exp of its logits, "
+                                f"which the fused loss reads only from a plain nn.Linear "
+                                f"lm_head (its lm_head is a {type(head).__qualname__})")
 
 
 def _positions_only(key, dims: int) -> bool:
