@@ -13,6 +13,7 @@ norm (a gradient zero in exact arithmetic is rounding noise).
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -110,3 +111,161 @@ def test_bamba_z_loss_with_a_lora_dropout_head_reads_one_head_call_as_stock():
         warnings.simplefilter("ignore")
         model(**batch)
     torch.testing.assert_close(torch.rand(4), after_stock, rtol=0, atol=0)
+
+
+# -- softcaps written as calls: the callee read is the callee that runs ------------------------
+
+XLSTM_VOCAB = 300
+
+
+def _xlstm():
+    return _model("xlstm", transformers.xLSTMForCausalLM, vocab=XLSTM_VOCAB,
+                  output_logit_soft_cap=4.0)
+
+
+def _doubling(fn):
+    @functools.wraps(fn)  # inspect.getsource(wrapper) reads fn's source
+    def soft_cap(values, cap_value=None):
+        return fn(values, cap_value) * 2.0
+    return soft_cap
+
+
+class _HalfTanh:
+    @staticmethod
+    def tanh(x):
+        return torch.tanh(x) * 0.5
+
+
+def _closure_torch(fn):
+    torch = _HalfTanh()  # the closure's `torch`, not the module global the check reads
+
+    def soft_cap(values, cap_value=None):
+        if cap_value is None:
+            return values
+        return cap_value * torch.tanh(values / cap_value)
+    return soft_cap
+
+
+@pytest.mark.parametrize("replace", [_doubling, _closure_torch], ids=["decorated", "closure"])
+def test_xlstm_softcap_function_that_is_not_its_source_runs_stock(replace, monkeypatch):
+    # Before: a functools.wraps wrapper was read as the function it wraps, and a closure's
+    # `torch` as the module's: the fused loss capped where stock computed something else
+    # (float32: loss 5.72 vs 6.12 for the doubling wrapper).
+    from transformers.models.xlstm import modeling_xlstm
+
+    model = _xlstm()
+    stock = copy.deepcopy(model)
+    apply_fused_ce(model, backend="torch")
+    monkeypatch.setattr(modeling_xlstm, "soft_cap", replace(modeling_xlstm.soft_cap))
+    batch = _batch(XLSTM_VOCAB)
+    want = _run(stock, batch)
+    got, caught = _quiet_run(model, batch)
+    _assert_same(got, want)
+    assert not isinstance(got[0].logits, NotMaterializedLogits)
+    assert any("is not a softcap it can read" in m for m in caught), caught
+
+
+def _inkling2():
+    # its router runs in float32 whatever the model dtype: a float32 model (tolerances: the
+    # stock path runs, the patched logits loss sums in another order, float32 rounding ~1e-7)
+    return _model("inkling2_text", transformers.Inkling2ForCausalLM, torch.float32,
+                  vocab=XLSTM_VOCAB, unpadded_vocab_size=XLSTM_VOCAB,
+                  final_logit_softcapping=5.0)
+
+
+def _own_call_class(base):
+    class OwnCall(base):
+        def __call__(self, x):  # runs around the class forward, which has the softcap form
+            return super().__call__(x) * 2.0
+    return OwnCall
+
+
+def _decorated_forward_class(base):
+    class Decorated(base):
+        @functools.wraps(base.forward)  # inspect.getsource reads base.forward
+        def forward(self, hidden_states):
+            return base.forward(self, hidden_states) * 2.0
+    return Decorated
+
+
+@pytest.mark.parametrize("make", [_own_call_class, _decorated_forward_class],
+                         ids=["own_call", "decorated_forward"])
+def test_inkling2_softcap_module_whose_call_is_not_its_forward_source_runs_stock(make):
+    # Before: the module's class forward source had the softcap form, so the fused loss capped;
+    # stock's call doubled the capped logits (float32 loss 5.72 vs 5.77).
+    model = _inkling2()
+    model.logit_softcap.__class__ = make(type(model.logit_softcap))
+    stock = copy.deepcopy(model)
+    apply_fused_ce(model, backend="torch")
+    batch = _batch(XLSTM_VOCAB)
+    want = _run(stock, batch)
+    got, caught = _quiet_run(model, batch)
+    _assert_same(got, want, 1e-5, 1e-4)
+    assert not isinstance(got[0].logits, NotMaterializedLogits)
+    assert any("runs its stock forward" in m for m in caught), caught
+
+
+def test_softcap_function_changed_on_disk_after_import_runs_stock(tmp_path, monkeypatch):
+    # The source read must be the code that runs: a module edited after import (a notebook
+    # session, a hot-patched file) shows linecache the new text.
+    import importlib.util
+    import linecache
+
+    from transformers.models.xlstm import modeling_xlstm
+
+    path = tmp_path / "edited_softcap.py"
+    path.write_text("import torch\n\n\ndef soft_cap(values, cap_value=None):\n"
+                    "    if cap_value is None:\n        return values\n"
+                    "    return cap_value * torch.tanh(values / cap_value) * 2.0\n")
+    spec = importlib.util.spec_from_file_location("edited_softcap", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path.write_text("import torch\n\n\ndef soft_cap(values, cap_value=None):\n"
+                    "    if cap_value is None:\n        return values\n"
+                    "    return cap_value * torch.tanh(values / cap_value)\n")
+    linecache.checkcache(str(path))
+    model = _xlstm()
+    stock = copy.deepcopy(model)
+    apply_fused_ce(model, backend="torch")
+    monkeypatch.setattr(modeling_xlstm, "soft_cap", module.soft_cap)
+    batch = _batch(XLSTM_VOCAB)
+    want = _run(stock, batch)
+    got, _ = _quiet_run(model, batch)
+    _assert_same(got, want)
+    assert not isinstance(got[0].logits, NotMaterializedLogits)
+
+
+# -- a head with a transform: its source read as written --------------------------------------
+
+
+class _DocumentedHead(transformers.models.roberta.modeling_roberta.RobertaLMHead):
+    def forward(self, features, **kwargs):
+        """Dense, GELU, layer norm, then the vocabulary projection.
+
+        An indented docstring: dedenting the source changed this constant, and a call of a
+        module attribute (``torch.nn.functional.gelu``) compiles to another instruction in a
+        ``def`` compiled alone; either made the head read as "changed since import".
+        """
+        x = self.dense(features)
+        x = torch.nn.functional.gelu(x)
+        x = self.layer_norm(x)
+        return self.decoder(x)
+
+
+def test_head_forward_with_a_docstring_and_a_module_call_is_fused(spy):
+    # Before: apply_fused_ce refused this head (UnsupportedModelError: "its code is not the
+    # code of its source file (changed since import?)"), though its source is what runs.
+    config = tiny_config("roberta")
+    config.vocab_size, config.is_decoder = 97, True
+    torch.manual_seed(0)
+    model = transformers.RobertaForCausalLM(config).to(torch.float64).train()
+    model.lm_head.__class__ = _DocumentedHead
+    stock = copy.deepcopy(model)
+    apply_fused_ce(model, backend="torch")
+    batch = _batch(97)
+    want = _run(stock, batch)
+    spy.calls.clear()
+    got, caught = _quiet_run(model, batch)
+    assert isinstance(got[0].logits, NotMaterializedLogits), caught
+    assert len(spy.calls) == 1
+    _assert_same(got, want)
