@@ -314,7 +314,14 @@ def _helpers(slot, lse_terms: bool = False) -> dict:
         options = state.options if state is not None else slot.options
         if options is None:  # only the patched forward calls the rewritten one
             raise RuntimeError("fused_ce_patch: rewritten forward called outside the patch")
-        projection = model.get_output_embeddings()
+        try:
+            projection = model.get_output_embeddings()
+        except Exception as exc:  # noqa: BLE001 - stock's forward never calls it
+            # e.g. RoBERTa's reads self.lm_head.decoder, gone once lm_head was replaced by a
+            # plain module: the stock head call, as the stock forward makes it
+            warn_stock_path(model, f"its get_output_embeddings() raises "
+                                   f"{type(exc).__name__}: {str(exc)[:80]}")
+            return head(hidden_in)
         if head is not projection:
             # A head module with a transform before the projection (RoBERTa, BERT): the fused
             # loss takes the projection's input, computed by the head's own code (.head_path).

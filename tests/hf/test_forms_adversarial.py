@@ -269,3 +269,26 @@ def test_head_forward_with_a_docstring_and_a_module_call_is_fused(spy):
     assert isinstance(got[0].logits, NotMaterializedLogits), caught
     assert len(spy.calls) == 1
     _assert_same(got, want)
+
+
+def test_head_module_replaced_after_the_patch_runs_the_stock_head_call():
+    # RoBERTa's get_output_embeddings() returns self.lm_head.decoder; once lm_head is replaced
+    # by a plain Linear it raises AttributeError. Stock's forward never calls it and trains;
+    # before, the patched forward raised that AttributeError.
+    config = tiny_config("roberta")
+    config.vocab_size, config.is_decoder = 97, True
+    torch.manual_seed(0)
+    model = transformers.RobertaForCausalLM(config).to(torch.float64).train()
+    apply_fused_ce(model, backend="torch")
+    torch.manual_seed(4)
+    model.lm_head = torch.nn.Linear(config.hidden_size, 97, dtype=torch.float64)
+    stock = copy.deepcopy(model)
+    from fused_ce_patch import revert_fused_ce
+
+    revert_fused_ce(stock)
+    batch = _batch(97)
+    want = _run(stock, batch)
+    got, caught = _quiet_run(model, batch)
+    _assert_same(got, want)
+    assert not isinstance(got[0].logits, NotMaterializedLogits)
+    assert any("get_output_embeddings() raises AttributeError" in m for m in caught), caught
