@@ -27,6 +27,7 @@ from .head import _own_call
 from .source_check import parse_def, same_code
 
 
+@torch.compiler.disable  # reads sources and module state: an eager graph break, not traced
 def callable_softcap(kind: str, value):
     """``(cap, None)`` for a softcap call the fused loss can express, else ``(None, reason)``.
 

@@ -292,3 +292,32 @@ def test_head_module_replaced_after_the_patch_runs_the_stock_head_call():
     _assert_same(got, want)
     assert not isinstance(got[0].logits, NotMaterializedLogits)
     assert any("get_output_embeddings() raises AttributeError" in m for m in caught), caught
+
+
+def test_compiled_xlstm_softcap_call_is_read_eagerly(monkeypatch):
+    # Under torch.compile the softcap check was traced: Dynamo warned of tracing through
+    # functools.lru_cache ("silent incorrectness ... potential risk"), and its stock-path
+    # message named "<attribute '__qualname__' of 'function' objects>". The check now runs
+    # eagerly (a graph break), as the head path's does.
+    from transformers.models.xlstm import modeling_xlstm
+
+    torch._dynamo.reset()
+    model = _xlstm()
+    stock = copy.deepcopy(model)
+    apply_fused_ce(model, backend="torch")
+    compiled = torch.compile(model, backend="aot_eager")
+    batch = _batch(XLSTM_VOCAB)
+    want = _run(stock, batch)
+    got, caught = _quiet_run(compiled, batch)
+    grads = {k.replace("_orig_mod.", ""): g for k, g in got[1].items()}
+    _assert_same((got[0], grads), want)
+    assert isinstance(got[0].logits, NotMaterializedLogits)
+    assert not any("lru_cache" in m for m in caught), caught
+    # a softcap function replaced after compiling is read at the next call
+    monkeypatch.setattr(modeling_xlstm, "soft_cap", _doubling(modeling_xlstm.soft_cap))
+    want = _run(stock, batch)
+    got, caught = _quiet_run(compiled, batch)
+    grads = {k.replace("_orig_mod.", ""): g for k, g in got[1].items()}
+    _assert_same((got[0], grads), want)
+    assert any("'soft_cap' on its logits is not a softcap" in m for m in caught), caught
+    torch._dynamo.reset()
