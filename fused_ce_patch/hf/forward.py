@@ -346,17 +346,22 @@ def _helpers(slot, lse_terms: bool = False) -> dict:
 
 
 def _settle_for_lse(logits) -> None:
-    """Materialise ``logits`` (the loss call's deferred logits) now when an extra
-    loss term after this loss call would take their log-sum-exp from a second call of the
-    head: stock calls the head once, and a head that is not a plain ``nn.Linear`` (a LoRA
-    adapter's dropout, a parametrization) may not give the same logits twice, so the loss and
-    the extra term must read one head call, as stock's do."""
+    """Materialise ``logits`` (the loss call's deferred logits) now when an extra loss term
+    after this loss call could take their log-sum-exp only from a second call of the head
+    that may not give the same logits: stock calls the head once, so the loss and the term
+    see one dropout draw (a LoRA adapter's ``lora_dropout`` in training) or one evaluation of
+    a parametrization. A head the fused log-sum-exp cannot read that has neither (LoRA without
+    dropout, in eval) keeps the fused loss; the term then calls it again, to the same logits."""
     if isinstance(logits, DeferredLogits) and logits.real is None:
         head = logits.head
-        if not isinstance(head, torch.nn.Linear) or parametrized(head):
+        if isinstance(head, torch.nn.Linear) and not parametrized(head):
+            return  # read directly by the fused log-sum-exp: no second head call
+        if parametrized(head) or any(
+                isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+                or torch.nn.utils.parametrize.is_parametrized(m) for m in head.modules()):
             materialize(logits, f"an extra loss term takes the log-sum-exp of its logits, "
-                                f"which the fused loss reads only from a plain nn.Linear "
-                                f"lm_head (its lm_head is a {type(head).__qualname__})")
+                                f"and its lm_head ({type(head).__qualname__}) draws dropout "
+                                f"or evaluates a parametrization at each call")
 
 
 def _positions_only(key, dims: int) -> bool:

@@ -321,3 +321,23 @@ def test_compiled_xlstm_softcap_call_is_read_eagerly(monkeypatch):
     _assert_same((got[0], grads), want)
     assert any("'soft_cap' on its logits is not a softcap" in m for m in caught), caught
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 0.25])
+def test_bamba_with_a_deterministic_lora_head_keeps_the_fused_loss(z_loss, spy):
+    # No dropout in the LoRA head: a second head call for the z-loss gives the same logits,
+    # so the loss stays fused (the memory saving kept); the z-loss reads real logits.
+    peft = pytest.importorskip("peft")
+    base = _model("bamba", transformers.BambaForCausalLM, z_loss_coefficient=z_loss)
+    config = peft.LoraConfig(r=4, target_modules=["lm_head"], lora_dropout=0.0,
+                             init_lora_weights=False)
+    torch.manual_seed(3)
+    model = peft.get_peft_model(base, config)
+    stock = copy.deepcopy(model)
+    apply_fused_ce(model, backend="torch")
+    batch = _batch(base.config.vocab_size)
+    want = _run(stock, batch)
+    spy.calls.clear()
+    got, _ = _quiet_run(model, batch)
+    _assert_same(got, want)
+    assert len(spy.calls) == 1  # the loss itself was fused
