@@ -341,3 +341,22 @@ def test_bamba_with_a_deterministic_lora_head_keeps_the_fused_loss(z_loss, spy):
     got, _ = _quiet_run(model, batch)
     _assert_same(got, want)
     assert len(spy.calls) == 1  # the loss itself was fused
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_lse_in_16_bit_is_the_lse_of_the_rounded_logits(dtype):
+    # Stock's z-loss takes logsumexp of its 16-bit logits (the product rounded to the dtype).
+    # The fused log-sum-exp is z_0 - log p_0 with log p_0 from the kernel's (rounded) logits;
+    # z_0 was the unrounded product, so every position carried z_0's rounding (up to
+    # |z_0| 2**-9 in bfloat16: 3e-2 here), making Bamba's bf16 z-loss up to 3x further from
+    # float64 than stock's. Now z_0 is rounded as the kernel's logits are: the two agree to
+    # float32 summation (V = 1000 terms of |z| < 100: ~1e-6 absolute; 2e-5 leaves margin).
+    from fused_ce_patch.hf.head import fused_head_lse
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 1000, bias=False).to(dtype)
+    hidden = (torch.randn(256, 64) * 8).to(dtype)
+    want = torch.nn.functional.linear(hidden, head.weight).float().logsumexp(-1)
+    got = fused_head_lse(head, hidden, backend="torch")
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max().item() <= 2e-5
