@@ -144,9 +144,15 @@ def _shape(fn_def: ast.FunctionDef, where: str):
     return found[0], found[1], body
 
 
-@functools.lru_cache(maxsize=None)
 def _analyse(fn) -> _Level | str:
-    """The :class:`_Level` of the class forward ``fn``, or why it does not fit (a message)."""
+    """The :class:`_Level` of the class forward ``fn``, or why it does not fit (a message).
+    Cached per function *and* code object: a ``__code__`` replaced in place (IPython's
+    ``%autoreload``, hot-reload tools) is analysed again."""
+    return _analyse_code(fn, getattr(fn, "__code__", None))
+
+
+@functools.lru_cache(maxsize=None)
+def _analyse_code(fn, code) -> _Level | str:
     where = _where(fn)
     if not isinstance(fn, types.FunctionType):
         return f"{where} is a {type(fn).__name__}, not a plain function"
@@ -196,12 +202,16 @@ def _projection_input(module, x):
     return x
 
 
-@functools.lru_cache(maxsize=64)
 def _prefix_of(forwards: tuple):
     """The composed prefix of the analysed ``forwards`` (outermost first)."""
+    return _prefix_of_code(tuple((fn, getattr(fn, "__code__", None)) for fn in forwards))
+
+
+@functools.lru_cache(maxsize=64)
+def _prefix_of_code(forwards: tuple):
     prefix = _projection_input
-    for fn in reversed(forwards):
-        prefix = _analyse(fn).make(prefix)
+    for fn, code in reversed(forwards):
+        prefix = _analyse_code(fn, code).make(prefix)
     return prefix
 
 

@@ -360,3 +360,32 @@ def test_fused_lse_in_16_bit_is_the_lse_of_the_rounded_logits(dtype):
     got = fused_head_lse(head, hidden, backend="torch")
     assert got.dtype == torch.float32
     assert (got - want).abs().max().item() <= 2e-5
+
+
+def _doubled_dense_forward(self, features, **kwargs):
+    # only its code is used, run with modeling_roberta's globals (its `gelu`)
+    x = self.dense(features) * 2.0
+    x = gelu(x)  # noqa: F821
+    x = self.layer_norm(x)
+    return self.decoder(x)
+
+
+def test_head_forward_code_replaced_in_place_is_read_again(monkeypatch):
+    # IPython's %autoreload swaps a function's __code__ in place. The head path was cached per
+    # function object, so the fused loss kept running the old transform while stock ran the
+    # new one. Now the analysis is cached per code object too.
+    from transformers.models.roberta.modeling_roberta import RobertaLMHead
+
+    config = tiny_config("roberta")
+    config.vocab_size, config.is_decoder = 97, True
+    torch.manual_seed(0)
+    model = transformers.RobertaForCausalLM(config).to(torch.float64).train()
+    stock = copy.deepcopy(model)
+    apply_fused_ce(model, backend="torch")
+    batch = _batch(97)
+    _run(model, batch)  # the head path analysed and cached
+    monkeypatch.setattr(RobertaLMHead.forward, "__code__", _doubled_dense_forward.__code__)
+    want = _run(stock, batch)
+    got, caught = _quiet_run(model, batch)
+    _assert_same(got, want)
+    assert isinstance(got[0].logits, NotMaterializedLogits), caught
