@@ -390,7 +390,8 @@ def _head_path_now(model, head, projection, recorded):
     if not isinstance(head, torch.nn.Module) or not any(m is projection for m in head.modules()):
         warn_stock_path(model, "the head its forward calls is not get_output_embeddings()")
         return None
-    path = resolve(head, projection, "the head module")
+    name = next((n for n, m in model.named_children() if m is head), type(head).__name__)
+    path = resolve(head, projection, name)
     if isinstance(path, str):
         reason = path
     elif recorded is not None and path.forwards != recorded:

@@ -389,3 +389,21 @@ def test_head_forward_code_replaced_in_place_is_read_again(monkeypatch):
     got, caught = _quiet_run(model, batch)
     _assert_same(got, want)
     assert isinstance(got[0].logits, NotMaterializedLogits), caught
+
+
+def test_hooked_head_module_warning_names_the_attribute():
+    # The warning read "its head module the head module (...)"; it now names the attribute.
+    config = tiny_config("roberta")
+    config.vocab_size, config.is_decoder = 97, True
+    torch.manual_seed(0)
+    model = transformers.RobertaForCausalLM(config).to(torch.float64).train()
+    stock = copy.deepcopy(model)
+    apply_fused_ce(model, backend="torch")
+    for m in (model, stock):
+        m.lm_head.register_forward_hook(lambda mod, args, out: out * 1.5)
+    batch = _batch(97)
+    want = _run(stock, batch)
+    got, caught = _quiet_run(model, batch)
+    _assert_same(got, want)
+    assert any("its head module lm_head (RobertaLMHead has forward hooks)" in m
+               for m in caught), caught
