@@ -519,6 +519,15 @@ def _transform(logits, kind: str, value, optional):
     return logits
 
 
+def _flat_view(t: torch.Tensor) -> bool:
+    """Whether ``t.view(-1)`` works (stock's loss views its ``shift_labels`` so)."""
+    try:
+        t.view(-1)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _vocab_rows(head, hidden) -> int:
     return head.out_features if hasattr(head, "out_features") \
         else head_operands(head, hidden)[1].shape[0]
@@ -550,6 +559,9 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
     target = shift_labels if shift_labels is not None else labels
     if isinstance(target, torch.Tensor) and target.dtype != torch.int64:
         return f"its labels are {target.dtype}, not torch.int64"
+    if isinstance(shift_labels, torch.Tensor) and not _flat_view(shift_labels):
+        # ForCausalLMLoss takes shift_labels.view(-1): its RuntimeError, not a fused loss
+        return "its shift_labels cannot be viewed as one dimension"
     if logits.softcap is not None and torch.tanh is not torch._C._VariableFunctions.tanh:
         return "torch.tanh (its final-logit softcap) was replaced process-wide"
     # A parametrized weight is evaluated once, by the loss (hf/head.py); its stored tensor may

@@ -407,3 +407,31 @@ def test_hooked_head_module_warning_names_the_attribute():
     _assert_same(got, want)
     assert any("its head module lm_head (RobertaLMHead has forward hooks)" in m
                for m in caught), caught
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "llama"])
+def test_shift_labels_that_cannot_be_viewed_flat_raise_as_stock(model_type):
+    # ForCausalLMLoss takes shift_labels.view(-1): a non-contiguous tensor of the right shape
+    # raises RuntimeError there. The fused loss reshaped it and returned a loss.
+    config = tiny_config(model_type)
+    config.vocab_size = 97
+    if model_type == "roberta":
+        config.is_decoder = True
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float64).train()
+    stock = copy.deepcopy(model)
+    apply_fused_ce(model, backend="torch")
+    batch = _batch(97)
+    wide = torch.cat([batch["labels"].roll(-1, 1), torch.full((2, 3), -100)], dim=1)
+    batch["shift_labels"] = wide[:, :10]  # the right shape, rows 13 apart: not viewable
+    assert not batch["shift_labels"].is_contiguous()
+    with pytest.raises(RuntimeError, match="view size is not compatible") as want:
+        stock(**batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="view size is not compatible") as got:
+            model(**batch)
+    assert type(got.value) is type(want.value)
+    # a viewable (contiguous) copy is fused and matches stock
+    batch["shift_labels"] = batch["shift_labels"].contiguous()
+    _assert_same(_run(model, batch), _run(stock, batch))
