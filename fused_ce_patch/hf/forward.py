@@ -251,11 +251,18 @@ class DeferredLogits:
     def __getitem__(self, key):
         """``logits[:, a:b, :]`` — positions selected by slices, the vocabulary whole — as the
         deferred logits of those positions (GIT drops its image positions before the loss);
-        any other index computes the real logits and indexes them as stock does."""
+        any other index, or any index of a head that draws dropout at each call (a LoRA head
+        in training: stock draws its mask over every position), computes the real logits and
+        indexes them as stock does."""
         if self.real is None and _positions_only(key, self.hidden.dim()):
-            rows = DeferredLogits(self.model, self.hidden[key[:-1]], self.head, self.options)
-            rows.scale, rows.softcap, rows.parent = self.scale, self.softcap, (self, key)
-            return rows
+            if not _draws_at_call(self.head):
+                rows = DeferredLogits(self.model, self.hidden[key[:-1]], self.head, self.options)
+                rows.scale, rows.softcap, rows.parent = self.scale, self.softcap, (self, key)
+                return rows
+            # stock draws the head's dropout over every position, then selects: a fused loss
+            # over the selected rows would draw another mask
+            materialize(self, "its forward selects positions of the logits of a head that "
+                              "draws dropout or evaluates a parametrization at each call")
         if self.real is None:
             materialize(self, "its forward indexes the logits other than by positions")
         return self.real[key]
@@ -356,12 +363,18 @@ def _settle_for_lse(logits) -> None:
         head = logits.head
         if isinstance(head, torch.nn.Linear) and not parametrized(head):
             return  # read directly by the fused log-sum-exp: no second head call
-        if parametrized(head) or any(
-                isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
-                or torch.nn.utils.parametrize.is_parametrized(m) for m in head.modules()):
+        if _draws_at_call(head):
             materialize(logits, f"an extra loss term takes the log-sum-exp of its logits, "
                                 f"and its lm_head ({type(head).__qualname__}) draws dropout "
                                 f"or evaluates a parametrization at each call")
+
+
+def _draws_at_call(head) -> bool:
+    """Whether calling ``head`` may give other logits each time, or depend on the shape of its
+    input: a dropout module active in training (a LoRA adapter's ``lora_dropout``) or a
+    parametrization anywhere in it."""
+    return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+               or torch.nn.utils.parametrize.is_parametrized(m) for m in head.modules())
 
 
 def _positions_only(key, dims: int) -> bool:

@@ -435,3 +435,51 @@ def test_shift_labels_that_cannot_be_viewed_flat_raise_as_stock(model_type):
     # a viewable (contiguous) copy is fused and matches stock
     batch["shift_labels"] = batch["shift_labels"].contiguous()
     _assert_same(_run(model, batch), _run(stock, batch))
+
+
+# -- positions of the deferred logits ----------------------------------------------------------
+
+
+def _git_lora(dropout):
+    peft = pytest.importorskip("peft")
+    config = tiny_config("git")  # a 32-pixel image: 5 image positions before the text
+    config.vocab_size = 300
+    torch.manual_seed(0)
+    base = transformers.GitForCausalLM(config).to(torch.float64).train()
+    lora = peft.LoraConfig(r=4, target_modules="output|.*query", lora_dropout=dropout,
+                           init_lora_weights=False)
+    torch.manual_seed(3)
+    model = peft.get_peft_model(base, lora)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (2, 10), generator=g)
+    labels = ids.clone()
+    labels[1, 7:] = -100
+    pixels = torch.randn(2, 3, 32, 32, generator=g, dtype=torch.float64)
+    return model, {"input_ids": ids, "labels": labels, "pixel_values": pixels}
+
+
+def test_git_positions_of_a_lora_dropout_head_take_real_logits_as_stock():
+    # GIT selects its text positions (`logits[:, n:-1, :]`) before the loss. The deferred
+    # selection ran the fused loss over the selected hidden rows only, so the LoRA dropout
+    # mask was drawn over another shape than stock's (every position): float32 loss 5.87 vs
+    # stock 5.74, the head's LoRA gradient 70 % off.
+    model, batch = _git_lora(0.2)
+    stock = copy.deepcopy(model)
+    apply_fused_ce(model, backend="torch")
+    want = _run(stock, batch)
+    got, caught = _quiet_run(model, batch)
+    _assert_same(got, want)
+    assert not isinstance(got[0].logits, NotMaterializedLogits)
+    assert any("selects positions of the logits of a head that draws dropout" in m
+               for m in caught), caught
+
+
+def test_git_positions_of_a_lora_head_without_dropout_stay_fused(spy):
+    model, batch = _git_lora(0.0)
+    stock = copy.deepcopy(model)
+    apply_fused_ce(model, backend="torch")
+    want = _run(stock, batch)
+    spy.calls.clear()
+    got, _ = _quiet_run(model, batch)
+    _assert_same(got, want)
+    assert isinstance(got[0].logits, NotMaterializedLogits) and len(spy.calls) == 1
