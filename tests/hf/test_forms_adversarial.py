@@ -4,10 +4,12 @@
 Each test builds the stock model, a patched copy with the same weights, runs both on one batch
 and compares the loss and every gradient, or the exception, with what stock gives.
 
-Tolerances. Models run in float64. Against transformers' ``ForCausalLMLoss`` (which rounds the
-float64 logits to float32; the patched model's own logits loss sums in another order), 1e-6 for the loss and 1e-5 for gradients, the proof's
-float64 tolerances (hf/proof.py), gradients relative to at least 1e-3 of the largest gradient
-norm (a gradient zero in exact arithmetic is rounding noise).
+Tolerances. Models run in float64 unless a test says otherwise. Against transformers'
+``ForCausalLMLoss`` (which rounds the float64 logits to float32; the patched model's own logits
+loss sums in another order), 1e-6 for the loss and 1e-5 for gradients, the proof's float64
+tolerances (hf/proof.py), gradients relative to at least 1e-3 of the largest gradient norm (a
+gradient zero in exact arithmetic is rounding noise). Inkling2 runs in float32 (its router
+does): 1e-5 / 1e-4, the float32 tolerances of tests/hf/hf_helpers.py.
 """
 
 from __future__ import annotations
