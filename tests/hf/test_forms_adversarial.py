@@ -485,3 +485,58 @@ def test_git_positions_of_a_lora_head_without_dropout_stay_fused(spy):
     got, _ = _quiet_run(model, batch)
     _assert_same(got, want)
     assert isinstance(got[0].logits, NotMaterializedLogits) and len(spy.calls) == 1
+
+
+# -- apply time ------------------------------------------------------------------------------
+
+
+def _roberta_with_plain_lm_head():
+    config = tiny_config("roberta")
+    config.vocab_size, config.is_decoder = 97, True
+    torch.manual_seed(0)
+    model = transformers.RobertaForCausalLM(config).train()
+    model.lm_head = torch.nn.Linear(config.hidden_size, 97)
+    return model
+
+
+def test_apply_to_a_model_whose_get_output_embeddings_raises_is_a_clear_refusal():
+    # RobertaForCausalLM.get_output_embeddings() reads lm_head.decoder: with lm_head replaced,
+    # apply_fused_ce raised that AttributeError (stock trains the model).
+    from fused_ce_patch import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=r"get_output_embeddings\(\) raises "
+                                                    r"AttributeError"):
+        apply_fused_ce(_roberta_with_plain_lm_head(), backend="torch")
+
+
+def test_trainer_flag_trains_stock_a_model_whose_get_output_embeddings_raises(tmp_path):
+    # The flag's check called get_output_embeddings() unguarded: Trainer(...) raised the
+    # AttributeError; now it warns and trains the model unpatched, as for any refusal.
+    from transformers import Trainer
+
+    from fused_ce_patch import FusedCETrainingArguments, is_fused_ce_applied
+
+    model = _roberta_with_plain_lm_head()
+    data = [{"input_ids": torch.arange(4, 16), "labels": torch.arange(4, 16)}] * 4
+    args = FusedCETrainingArguments(output_dir=str(tmp_path), use_fused_ce=True,
+                                    per_device_train_batch_size=2, max_steps=1, report_to=[],
+                                    use_cpu=True, save_strategy="no")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+    assert not is_fused_ce_applied(model)
+    assert trainer.state.global_step == 1
+
+
+def test_hooked_projection_inside_a_head_module_is_named_by_its_path():
+    # The refusal named "lm_head (Linear)" for RoBERTa's lm_head.decoder.
+    from fused_ce_patch import UnsupportedModelError
+
+    config = tiny_config("roberta")
+    config.vocab_size, config.is_decoder = 97, True
+    model = transformers.RobertaForCausalLM(config).train()
+    model.lm_head.decoder.register_forward_hook(lambda mod, args, out: out)
+    with pytest.raises(UnsupportedModelError, match=r"^lm_head\.decoder \(Linear\) has forward "
+                                                    r"hooks"):
+        apply_fused_ce(model, backend="torch")
