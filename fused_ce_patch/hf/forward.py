@@ -172,7 +172,7 @@ def patched_forward(stock, spec: ArchSpec):
         return _PATCHED[stock][0]
     slot = _ClassSlot()
     signature = inspect.signature(stock)
-    rewritten = spec.build(_helpers(slot))
+    rewritten = spec.build(_helpers(slot, lse_terms=bool(spec.extra_terms)))
 
     @functools.wraps(stock)
     def forward(self, *args, **kwargs):
@@ -251,11 +251,18 @@ class DeferredLogits:
     def __getitem__(self, key):
         """``logits[:, a:b, :]`` — positions selected by slices, the vocabulary whole — as the
         deferred logits of those positions (GIT drops its image positions before the loss);
-        any other index computes the real logits and indexes them as stock does."""
+        any other index, or any index of a head that draws dropout at each call (a LoRA head
+        in training: stock draws its mask over every position), computes the real logits and
+        indexes them as stock does."""
         if self.real is None and _positions_only(key, self.hidden.dim()):
-            rows = DeferredLogits(self.model, self.hidden[key[:-1]], self.head, self.options)
-            rows.scale, rows.softcap, rows.parent = self.scale, self.softcap, (self, key)
-            return rows
+            if not _draws_at_call(self.head):
+                rows = DeferredLogits(self.model, self.hidden[key[:-1]], self.head, self.options)
+                rows.scale, rows.softcap, rows.parent = self.scale, self.softcap, (self, key)
+                return rows
+            # stock draws the head's dropout over every position, then selects: a fused loss
+            # over the selected rows would draw another mask
+            materialize(self, "its forward selects positions of the logits of a head that "
+                              "draws dropout or evaluates a parametrization at each call")
         if self.real is None:
             materialize(self, "its forward indexes the logits other than by positions")
         return self.real[key]
@@ -299,11 +306,13 @@ class DeferredLogits:
         return self.real.logsumexp(dim=dim)
 
 
-def _helpers(slot) -> dict:
+def _helpers(slot, lse_terms: bool = False) -> dict:
     """The functions one patched forward's rewrite calls (closure variables of the rewrite).
 
     Options come from the model (its instance patch state) or this forward's class slot, not
     from a context variable, so ``torch.compile`` traces the call without a graph break.
+    ``lse_terms``: the loss block has extra terms after the loss call (Bamba's z-loss), so the
+    loss call first settles whether they will need real logits (:func:`_settle_for_lse`).
     """
 
     def defer(model, head, hidden_in):
@@ -312,7 +321,14 @@ def _helpers(slot) -> dict:
         options = state.options if state is not None else slot.options
         if options is None:  # only the patched forward calls the rewritten one
             raise RuntimeError("fused_ce_patch: rewritten forward called outside the patch")
-        projection = model.get_output_embeddings()
+        try:
+            projection = model.get_output_embeddings()
+        except Exception as exc:  # noqa: BLE001 - stock's forward never calls it
+            # e.g. RoBERTa's reads self.lm_head.decoder, gone once lm_head was replaced by a
+            # plain module: the stock head call, as the stock forward makes it
+            warn_stock_path(model, f"its get_output_embeddings() raises "
+                                   f"{type(exc).__name__}: {str(exc)[:80]}")
+            return head(hidden_in)
         if head is not projection:
             # A head module with a transform before the projection (RoBERTa, BERT): the fused
             # loss takes the projection's input, computed by the head's own code (.head_path).
@@ -326,11 +342,39 @@ def _helpers(slot) -> dict:
     return {
         DEFER: defer,
         TRANSFORM: lambda *args: _transform(*args),
-        LOSS: lambda *args, **kwargs: _loss(*args, **kwargs),
+        LOSS: lambda *args, **kwargs: _loss(*args, **kwargs) if not lse_terms else (
+            _settle_for_lse(args[1] if len(args) > 1 else kwargs.get("logits")),
+            _loss(*args, **kwargs))[1],
         DONE: lambda logits: _done(logits),
         MATERIALIZE: lambda logits, reason: _real(logits, reason),
-        CE: lambda *args: _ce(*args),
+        CE: lambda *args: _ce(*args) if not lse_terms else (_settle_for_lse(args[2]),
+                                                             _ce(*args))[1],
     }
+
+
+def _settle_for_lse(logits) -> None:
+    """Materialise ``logits`` (the loss call's deferred logits) now when an extra loss term
+    after this loss call could take their log-sum-exp only from a second call of the head
+    that may not give the same logits: stock calls the head once, so the loss and the term
+    see one dropout draw (a LoRA adapter's ``lora_dropout`` in training) or one evaluation of
+    a parametrization. A head the fused log-sum-exp cannot read that has neither (LoRA without
+    dropout, in eval) keeps the fused loss; the term then calls it again, to the same logits."""
+    if isinstance(logits, DeferredLogits) and logits.real is None:
+        head = logits.head
+        if isinstance(head, torch.nn.Linear) and not parametrized(head):
+            return  # read directly by the fused log-sum-exp: no second head call
+        if _draws_at_call(head):
+            materialize(logits, f"an extra loss term takes the log-sum-exp of its logits, "
+                                f"and its lm_head ({type(head).__qualname__}) draws dropout "
+                                f"or evaluates a parametrization at each call")
+
+
+def _draws_at_call(head) -> bool:
+    """Whether calling ``head`` may give other logits each time, or depend on the shape of its
+    input: a dropout module active in training (a LoRA adapter's ``lora_dropout``) or a
+    parametrization anywhere in it."""
+    return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+               or torch.nn.utils.parametrize.is_parametrized(m) for m in head.modules())
 
 
 def _positions_only(key, dims: int) -> bool:
@@ -359,7 +403,8 @@ def _head_path_now(model, head, projection, recorded):
     if not isinstance(head, torch.nn.Module) or not any(m is projection for m in head.modules()):
         warn_stock_path(model, "the head its forward calls is not get_output_embeddings()")
         return None
-    path = resolve(head, projection, "the head module")
+    name = next((n for n, m in model.named_children() if m is head), type(head).__name__)
+    path = resolve(head, projection, name)
     if isinstance(path, str):
         reason = path
     elif recorded is not None and path.forwards != recorded:
@@ -487,6 +532,15 @@ def _transform(logits, kind: str, value, optional):
     return logits
 
 
+def _flat_view(t: torch.Tensor) -> bool:
+    """Whether ``t.view(-1)`` works (stock's loss views its ``shift_labels`` so)."""
+    try:
+        t.view(-1)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _vocab_rows(head, hidden) -> int:
     return head.out_features if hasattr(head, "out_features") \
         else head_operands(head, hidden)[1].shape[0]
@@ -518,6 +572,9 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
     target = shift_labels if shift_labels is not None else labels
     if isinstance(target, torch.Tensor) and target.dtype != torch.int64:
         return f"its labels are {target.dtype}, not torch.int64"
+    if isinstance(shift_labels, torch.Tensor) and not _flat_view(shift_labels):
+        # ForCausalLMLoss takes shift_labels.view(-1): its RuntimeError, not a fused loss
+        return "its shift_labels cannot be viewed as one dimension"
     if logits.softcap is not None and torch.tanh is not torch._C._VariableFunctions.tanh:
         return "torch.tanh (its final-logit softcap) was replaced process-wide"
     # A parametrized weight is evaluated once, by the loss (hf/head.py); its stored tensor may

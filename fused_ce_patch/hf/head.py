@@ -712,8 +712,11 @@ def fused_head_lse(
     """Per-position ``logsumexp`` of ``head(hidden)`` over the vocabulary, without the logits.
 
     From :func:`~fused_ce_patch.fused_linear_token_stats` with every label 0:
-    ``LSE = z_0 - log p_0`` where ``z_0 = h·W[0] (+ b[0])`` is gathered directly; the gradient
-    is autograd's of that difference (``softmax(z)·W`` for ``h`` in exact arithmetic).
+    ``LSE = z_0 - log p_0`` where ``z_0 = h·W[0] (+ b[0])`` is gathered directly — for 16-bit
+    inputs as the kernels form their logits, the product rounded to the input dtype, so the
+    result is the log-sum-exp of those logits (stock's 16-bit logits) up to float32 rounding;
+    the gradient is autograd's of that difference (``softmax(z)·W`` for ``h`` in exact
+    arithmetic).
 
     Only for a head read directly from its own weight: a plain ``nn.Linear`` with no
     parameter-gathering owner, no tensor-parallel layout, no parametrization and no adapter
@@ -751,7 +754,13 @@ def fused_head_lse(
     stats = fused_linear_token_stats(hidden, weight, zeros, bias=bias,
                                      logits_budget=logits_budget, backend=backend)
     acc = stats.log_probs.dtype
-    z0 = hidden.to(acc) @ weight[0].to(acc)
+    if backend == "reference" or hidden.dtype == acc:
+        z0 = hidden.to(acc) @ weight[0].to(acc)
+    else:
+        # the kernels' logits are the product in the input dtype, rounded to it (bf16/fp16):
+        # z_0 rounded the same way, so that z_0 - log p_0 is the log-sum-exp of those logits
+        # (the unrounded z_0 added its bf16 rounding, ~|z_0| 2**-9, to every position)
+        z0 = (hidden @ weight[:1].t()).squeeze(-1).to(acc)
     if bias is not None:
         z0 = z0 + bias[0].to(acc)
     return z0 - stats.log_probs

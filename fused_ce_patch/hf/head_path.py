@@ -49,6 +49,7 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from .head import _global_hooks, _own_call
+from .source_check import parse_def, same_code
 
 #: The factory parameter of a prefix copy: the next level's prefix (closure variable).
 NEXT = "__fused_ce_next__"
@@ -169,27 +170,15 @@ def _shape(fn_def: ast.FunctionDef, where: str):
     return found[0], found[1], body, method
 
 
-def _same_code(fn_def: ast.FunctionDef, fn) -> bool:
-    """Whether ``fn``'s code is what ``fn_def`` compiles to (the source read is what runs)."""
-    tree = ast.Module(body=[fn_def], type_ignores=[])
-    try:
-        code = compile(tree, fn.__code__.co_filename, "exec")
-    except (SyntaxError, ValueError):
-        return False
-    mine = next((c for c in code.co_consts if isinstance(c, types.CodeType)), None)
-    theirs = fn.__code__
-
-    def plain(consts):
-        return tuple(c for c in consts if not isinstance(c, types.CodeType))
-
-    return mine is not None and (mine.co_code, mine.co_names, mine.co_varnames,
-                                 plain(mine.co_consts)) == (
-        theirs.co_code, theirs.co_names, theirs.co_varnames, plain(theirs.co_consts))
+def _analyse(fn) -> _Level | str:
+    """The :class:`_Level` of the class forward ``fn``, or why it does not fit (a message).
+    Cached per function *and* code object: a ``__code__`` replaced in place (IPython's
+    ``%autoreload``, hot-reload tools) is analysed again."""
+    return _analyse_code(fn, getattr(fn, "__code__", None))
 
 
 @functools.lru_cache(maxsize=None)
-def _analyse(fn) -> _Level | str:
-    """The :class:`_Level` of the class forward ``fn``, or why it does not fit (a message)."""
+def _analyse_code(fn, code) -> _Level | str:
     where = _where(fn)
     if not isinstance(fn, types.FunctionType):
         return f"{where} is a {type(fn).__name__}, not a plain function"
@@ -199,13 +188,12 @@ def _analyse(fn) -> _Level | str:
         return f"{where} closes over {', '.join(fn.__code__.co_freevars)}"
     try:
         source = textwrap.dedent(inspect.getsource(fn))
-        fn_def = ast.parse(source).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError) as exc:
+    except (OSError, TypeError) as exc:
         return f"{where}: source not available ({exc})"
-    if not isinstance(fn_def, ast.FunctionDef) or fn_def.decorator_list:
+    fn_def = parse_def(fn)  # the source as written (string constants undedented)
+    if fn_def is None or fn_def.decorator_list:
         return f"{where}: not an undecorated def"
-    ast.increment_lineno(fn_def, fn.__code__.co_firstlineno - fn_def.lineno)
-    if not _same_code(fn_def, fn):
+    if not same_code(fn_def, fn):
         return f"{where}: its code is not the code of its source file (changed since import?)"
     try:
         attr, arg, body, method = _shape(fn_def, where)
@@ -248,12 +236,16 @@ def _projection_input(module, x):
     return x
 
 
-@functools.lru_cache(maxsize=64)
 def _prefix_of(forwards: tuple):
     """The composed prefix of the analysed ``forwards`` (outermost first)."""
+    return _prefix_of_code(tuple((fn, getattr(fn, "__code__", None)) for fn in forwards))
+
+
+@functools.lru_cache(maxsize=64)
+def _prefix_of_code(forwards: tuple):
     prefix = _projection_input
-    for fn in reversed(forwards):
-        prefix = _analyse(fn).make(prefix)
+    for fn, code in reversed(forwards):
+        prefix = _analyse_code(fn, code).make(prefix)
     return prefix
 
 

@@ -171,6 +171,23 @@ def _spec_for(model: nn.Module) -> ArchSpec:
                           device=model_device(model), config=config)
 
 
+def output_embeddings(target):
+    """``target.get_output_embeddings()``, or UnsupportedModelError where that call raises (a
+    RoBERTa whose ``lm_head`` was replaced by a plain module: its method reads
+    ``lm_head.decoder``); stock's forward never calls it, so the model still trains stock.
+
+    Raises:
+        UnsupportedModelError: the call raised (the message names its exception).
+    """
+    try:
+        return target.get_output_embeddings()
+    except Exception as exc:  # noqa: BLE001 - any failure of a method stock never calls
+        raise UnsupportedModelError(
+            f"fused_ce_patch cannot patch {type(target).__name__}: its "
+            f"get_output_embeddings() raises {type(exc).__name__}: {str(exc)[:120]} (the fused "
+            f"loss reads the vocabulary projection it returns)") from exc
+
+
 def model_device(model) -> torch.device | None:
     """The device of ``model``'s first parameter (where a proof may run again), or None."""
     try:
@@ -343,7 +360,7 @@ def apply_fused_ce(
     model_type = getattr(target.config, "model_type", None)
     spec = spec_for_class(type(target), model_type, check_verified=False)
     stock = _stock_forward(type(target), spec)
-    head = target.get_output_embeddings()
+    head = output_embeddings(target)
     head_forwards = None
     if getattr(target, spec.head_attr, None) is not head:
         # a head module with a transform before the projection (RoBERTa, BERT): the fused
@@ -355,7 +372,7 @@ def apply_fused_ce(
     if not _verified:
         proof.ensure_proven(type(target), spec, model_type, model_device(target),
                             target.config)
-    check_head(head)
+    check_head(head, path.names[-1] if head_forwards is not None else "lm_head")
 
     state = target.__dict__.get(STATE_ATTR)
     if state is not None:

@@ -81,7 +81,7 @@ CACHE_ENV = "FUSED_CE_CACHE_DIR"
 PROOF_FORMAT = 1
 #: Our modules whose code decides the fused number (hashed into the disk key).
 _OWN_SOURCES = ("hf/architectures.py", "hf/forward.py", "hf/head.py", "hf/head_path.py",
-                "loss.py", "token_stats.py", "hf/softcap_call.py",
+                "loss.py", "token_stats.py", "hf/softcap_call.py", "hf/source_check.py",
                 "hf/clean_context.py", "hf/tiny.py", "hf/live_config.py",
                 "hf/proof.py", "hf/sweep.py")
 SUPPORT_TABLE = ("docs/support.md lists the model types proven on each transformers release")

@@ -8,21 +8,26 @@ then ``return cap * torch.tanh(x / cap)``). The rewrite (:mod:`.architectures`) 
 call; at each call :func:`callable_softcap` reads the callee as it is then — its class's
 ``forward`` or the function object the forward's globals hold — and gives the cap ``c`` only
 when the source is exactly one of those forms, with ``torch`` the real module and no hook on the
-module. Anything else makes the call compute the real logits (the stock statement itself).
+module. The source read must be what runs (:mod:`.source_check`): no decorator (a
+``functools.wraps`` wrapper's source reads as the function it wraps), no closure variables, code
+equal to the source file's now, and for a module nn.Module's own call around its ``forward``.
+Anything else makes the call compute the real logits (the stock statement itself).
 """
 
 from __future__ import annotations
 
 import ast
 import functools
-import inspect
-import textwrap
 import types
 
 import torch
 from torch import nn
 
+from .head import _own_call
+from .source_check import parse_def, same_code
 
+
+@torch.compiler.disable  # reads sources and module state: an eager graph break, not traced
 def callable_softcap(kind: str, value):
     """``(cap, None)`` for a softcap call the fused loss can express, else ``(None, reason)``.
 
@@ -44,6 +49,8 @@ def callable_softcap(kind: str, value):
         if (module._forward_pre_hooks or module._forward_hooks or module._backward_hooks
                 or module._backward_pre_hooks or "forward" in module.__dict__):
             return None, f"its softcap module {name} has hooks or a replaced forward"
+        if _own_call(module):  # a __call__ of its own runs around forward
+            return None, f"its softcap module {name}'s call is not nn.Module's"
         attr = _module_form(type(module).forward)
         if attr is None:
             return None, f"{name}.forward is not `torch.tanh(x / self.c) * self.c`"
@@ -62,12 +69,16 @@ def callable_softcap(kind: str, value):
 
 
 def _parse(fn):
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
+    """``(parameter names, body)`` of the plain function ``fn`` whose source is what runs, else
+    None: a decorated function (``inspect.getsource`` reads the function a ``functools.wraps``
+    wrapper wraps, not the wrapper), one with closure variables (``torch`` may name something
+    else there) or one whose code is not its source file's (changed since import) is not read."""
+    if not isinstance(fn, types.FunctionType) or hasattr(fn, "__wrapped__") \
+            or fn.__code__.co_freevars:
         return None
-    node = tree.body[0] if tree.body else None
-    if not isinstance(node, ast.FunctionDef) or fn.__globals__.get("torch") is not torch:
+    node = parse_def(fn)
+    if node is None or node.decorator_list or fn.__globals__.get("torch") is not torch \
+            or not same_code(node, fn):
         return None
     args = node.args
     if args.vararg or args.kwarg or args.kwonlyargs or args.posonlyargs or len(args.args) != 2:

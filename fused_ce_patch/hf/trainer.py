@@ -321,11 +321,17 @@ class FusedCECallback(TrainerCallback):
 def _refusal(model) -> str | None:
     """Why ``apply_fused_ce`` would refuse ``model`` (a short reason), or None."""
     from ..errors import UnsupportedModelError
-    from .patch import model_device, spec_for_class
+    from .patch import model_device, output_embeddings, spec_for_class
 
     target = unwrap_causal_lm(model)
-    if not callable(getattr(target, "get_output_embeddings", None)) or \
-            target.get_output_embeddings() is None:
+    if not callable(getattr(target, "get_output_embeddings", None)):
+        return (f"{type(target).__name__} has no vocabulary head (lm_head), so there is no "
+                f"causal-LM loss to fuse")
+    try:
+        head = output_embeddings(target)
+    except UnsupportedModelError as exc:
+        return str(exc).removeprefix("fused_ce_patch cannot patch ")[:300]
+    if head is None:
         return (f"{type(target).__name__} has no vocabulary head (lm_head), so there is no "
                 f"causal-LM loss to fuse")
     try:
