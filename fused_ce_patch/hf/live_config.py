@@ -142,6 +142,10 @@ def _shrink_layers(config):
 
 
 def _shrink_heads(config):
+    for key in ("encoder_attention_heads", "decoder_attention_heads"):
+        # encoder-decoder configs (num_attention_heads an alias of the encoder's count)
+        if isinstance(_get(config, key), int) and _get(config, key) > HEADS:
+            _put(config, key, HEADS)
     hkey = next((k for k in _HEADS if isinstance(_get(config, k), int)), None)
     if hkey is None:
         return
@@ -261,6 +265,15 @@ def _looks_small(config) -> bool:
 
 
 def _available_bytes() -> int | None:
+    """Memory a new allocation can get now: Linux's ``MemAvailable`` (free pages plus the page
+    cache it can reclaim), else the free pages alone."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):

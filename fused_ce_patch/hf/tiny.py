@@ -19,6 +19,7 @@ SHRINK = {
     "hidden_size": 64, "n_embd": 64, "d_model": 64, "dim": 64,
     "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "ffn_hidden_size": 128,
     "num_attention_heads": 4, "n_head": 4, "n_heads": 4,
+    "encoder_attention_heads": 4, "decoder_attention_heads": 4,
     "num_key_value_heads": 2,
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_group": 1, "topk_group": 1,

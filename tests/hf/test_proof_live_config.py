@@ -220,3 +220,21 @@ def test_a_config_on_which_the_patch_steps_aside_proves_the_fused_path_elsewhere
     row = proof.prove(cls, derive_spec(cls), "gemma2", config=config)
     assert row["status"] == "pass" and row["config"] == "the class's default config", row
     assert "took the stock path, as stock (your config)" in row["fallback_from"]
+
+
+def test_encoder_decoder_head_counts_shrink_with_the_width():
+    # PLBart / Whisper map num_attention_heads to the encoder's count only: the decoder's 12
+    # heads would not divide a width of 64 (a proof that then needed the 100M as-is model,
+    # whose memory check made the sweep depend on the machine's free memory)
+    config = AutoConfig.for_model("plbart")
+    small = live_config.shrunk(config)
+    assert small.decoder_attention_heads == small.encoder_attention_heads == live_config.HEADS
+    assert small.d_model % small.decoder_attention_heads == 0
+
+
+def test_available_memory_counts_the_reclaimable_page_cache():
+    import os
+
+    available = live_config._available_bytes()
+    free_pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert available is not None and available >= free_pages * 0.9  # MemAvailable >= MemFree
