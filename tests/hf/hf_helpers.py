@@ -127,6 +127,28 @@ def assert_grads_close(patched, ref, rtol=GRAD_RTOL):
     assert n_nonzero > 0
 
 
+def step(model, batch, **kw):
+    """One training step: ``(outputs, detached loss, {name: gradient})`` of every parameter
+    that got a gradient (gradients cleared first)."""
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, **kw)
+    out.loss.backward()
+    return out, out.loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()
+                                    if p.grad is not None}
+
+
+def assert_step_close(got, want, loss_rtol, grad_rtol):
+    """Two :func:`step` results agree: the loss within ``loss_rtol`` and each gradient's
+    error norm within ``grad_rtol`` of its norm (floored at 1e-3 of the largest gradient norm,
+    as the proof: a gradient zero in exact arithmetic is rounding noise)."""
+    (_, loss, grads), (_, want_loss, want_grads) = got, want
+    torch.testing.assert_close(loss, want_loss, rtol=loss_rtol, atol=0)
+    assert grads.keys() == want_grads.keys()
+    floor = 1e-3 * max(g.norm() for g in want_grads.values())
+    for k, w in want_grads.items():
+        assert (grads[k] - w).norm() <= grad_rtol * max(w.norm(), floor), k
+
+
 class Spy:
     """Records every call of the fused loss made by the patched forward."""
 

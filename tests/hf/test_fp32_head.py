@@ -16,6 +16,7 @@ from fused_ce_patch import apply_fused_ce
 from fused_ce_patch.hf.head import fp32_output_head
 from fused_ce_patch.hf.sentinel import NotMaterializedLogits
 from fused_ce_patch.hf.tiny import tiny_config
+from hf_helpers import assert_step_close
 
 pytestmark = pytest.mark.usefixtures("fresh_proofs")  # tests/hf/conftest.py
 
@@ -57,16 +58,12 @@ def _run(model, batch, autocast=False):
 def test_fused_loss_takes_the_heads_own_float32_operands(dtype, autocast, loss_tol, grad_tol):
     model, batch = _ergo(dtype), _batch()
     assert fp32_output_head(model.lm_head)
-    _, want_loss, want_grads = _run(model, batch, autocast)
+    want = _run(model, batch, autocast)
     apply_fused_ce(model, backend="torch")
-    out, loss, grads = _run(model, batch, autocast)
-    assert isinstance(out.logits, NotMaterializedLogits)
-    assert loss.dtype == want_loss.dtype == torch.float32
-    torch.testing.assert_close(loss, want_loss, rtol=loss_tol, atol=0)
-    assert grads.keys() == want_grads.keys()
-    floor = 1e-3 * max(g.norm() for g in want_grads.values())
-    for k, w in want_grads.items():
-        assert (grads[k] - w).norm() <= grad_tol * max(w.norm(), floor), k
+    got = _run(model, batch, autocast)
+    assert isinstance(got[0].logits, NotMaterializedLogits)
+    assert got[1].dtype == want[1].dtype == torch.float32
+    assert_step_close(got, want, loss_tol, grad_tol)
 
 
 def test_only_transformers_own_float32_head_is_taken():

@@ -18,6 +18,7 @@ from fused_ce_patch import apply_fused_ce
 from fused_ce_patch.hf import forward as fwd
 from fused_ce_patch.hf.sentinel import NotMaterializedLogits
 from fused_ce_patch.hf.tiny import tiny_config
+from hf_helpers import assert_step_close, step
 
 pytestmark = pytest.mark.usefixtures("fresh_proofs")  # tests/hf/conftest.py
 
@@ -40,23 +41,13 @@ def _batch(seed=0):
     return {"input_ids": ids, "labels": labels, "pixel_values": pixels}
 
 
-def _run(model, batch, **kw):
-    model.zero_grad(set_to_none=True)
-    out = model(**batch, **kw)
-    out.loss.backward()
-    return out, out.loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()
-                                    if p.grad is not None}
+_run = step
 
 
 def _assert_same(got, want):
     # stock's ForCausalLMLoss rounds the float64 logits to float32 (~6e-8 relative); the fused
     # loss keeps float64: 1e-6 / 1e-5 cover that rounding with margin
-    (_, loss, grads), (_, want_loss, want_grads) = got, want
-    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
-    assert grads.keys() == want_grads.keys()
-    floor = 1e-3 * max(g.norm() for g in want_grads.values())
-    for k, w in want_grads.items():
-        assert (grads[k] - w).norm() <= 1e-5 * max(w.norm(), floor), k
+    assert_step_close(got, want, 1e-6, 1e-5)
 
 
 @pytest.mark.parametrize("with_shift_labels", [False, True])

@@ -23,6 +23,7 @@ from fused_ce_patch.hf.architectures import derive_spec
 from fused_ce_patch.hf.sentinel import NotMaterializedLogits
 from fused_ce_patch.hf.softcap_call import callable_softcap
 from fused_ce_patch.hf.tiny import tiny_config
+from hf_helpers import assert_step_close, step
 
 pytestmark = pytest.mark.usefixtures("fresh_proofs")  # tests/hf/conftest.py
 
@@ -46,24 +47,14 @@ def _batch(seed=0):
     return {"input_ids": ids, "labels": labels}
 
 
-def _run(model, batch, **kw):
-    model.zero_grad(set_to_none=True)
-    out = model(**batch, **kw)
-    out.loss.backward()
-    return out, out.loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()
-                                    if p.grad is not None}
+_run = step
 
 
 def _assert_same(got, want):
-    (_, loss, grads), (_, want_loss, want_grads) = got, want
     # the fused loss differs from stock's only by summation order: ~1e-16 relative in float64,
     # ~1e-7 in float32 (a few hundred terms per sum), so 1e-10 / 1e-5 leave a wide margin
-    tol = 1e-10 if want_loss.dtype == torch.float64 else 1e-5
-    torch.testing.assert_close(loss, want_loss, rtol=tol, atol=0)
-    assert grads.keys() == want_grads.keys()
-    floor = 1e-3 * max(g.norm() for g in want_grads.values())  # near-zero gradients
-    for k, w in want_grads.items():
-        assert (grads[k] - w).norm() <= tol * max(w.norm(), floor), k
+    tol = 1e-10 if want[1].dtype == torch.float64 else 1e-5
+    assert_step_close(got, want, tol, tol)
 
 
 def _inkling2(cap=5.0):
@@ -157,6 +148,12 @@ def _fwd_branch(self, input_ids=None, labels=None, **kwargs):
     return CausalLMOutput(loss=loss, logits=logits)
 
 
+def _llama_config():
+    return transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2)
+
+
 class _Branchy(transformers.LlamaForCausalLM):
     forward = _fwd_branch
 
@@ -166,9 +163,7 @@ _Branchy.__module__ = "transformers.fused_ce_test_branchy"
 
 
 def test_if_else_runs_else_ops_fused_and_the_other_branch_on_real_logits():
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2)
+    config = _llama_config()
     config.chunk, config.scale = 5, 0.5
     torch.manual_seed(0)
     model, batch = _Branchy(config).double().train(), _batch()
@@ -297,9 +292,7 @@ _Neutral.__module__ = "transformers.fused_ce_test_neutral"
 
 
 def test_a_statement_that_never_sees_the_logits_runs_in_place():
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2)
+    config = _llama_config()
     config.scale = 0.5
     torch.manual_seed(0)
     model, batch = _Neutral(config).double().train(), _batch()
