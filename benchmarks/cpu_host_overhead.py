@@ -11,6 +11,11 @@ processes on the machine), median over ``--calls`` calls after a warm-up, the be
     by-hand          ``model.model(...)`` then ``fused_linear_cross_entropy(..., shift=True)``
     patched          the patched model's forward with labels
     checks+routing   patched - by-hand: what the patch adds around the loss call
+    paired           the same difference measured pairwise: each by-hand call next to a patched
+                     call (in alternating order), the median of the per-pair differences over
+                     ``--calls`` pairs, median over ``--repeats`` rounds; slow changes in the
+                     machine's load shift both calls of a pair alike, so this row varies less
+                     from run to run than the difference of the two rows above
 
 Prints the table, writes ``cpu_host_overhead.json`` and ``.png`` under ``--out``.
 """
@@ -67,8 +72,26 @@ def main():
             times.append(time.thread_time() - t0)
         return statistics.median(times) * 1e3
 
+    def paired_ms(by_hand, patched):
+        for _ in range(30):
+            by_hand()
+            patched()
+        diffs = []
+        for i in range(args.calls):
+            first, second = (by_hand, patched) if i % 2 else (patched, by_hand)
+            t0 = time.thread_time()
+            first()
+            t1 = time.thread_time()
+            second()
+            t2 = time.thread_time()
+            took = {first: t1 - t0, second: t2 - t1}
+            diffs.append(took[patched] - took[by_hand])
+        return statistics.median(diffs) * 1e3
+
     best = {name: min(median_ms(fn) for _ in range(args.repeats)) for name, fn in calls.items()}
     best["checks+routing"] = best["patched"] - best["by-hand"]
+    best["paired"] = statistics.median(paired_ms(calls["by-hand"], calls["patched"])
+                                       for _ in range(args.repeats))
     env = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
            "python": platform.python_version(), "torch": torch.__version__,
            "transformers": transformers.__version__, "cpu": platform.processor() or
@@ -86,7 +109,7 @@ def main():
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3))
-    ax.barh(list(best), list(best.values()), color=["#888888", "#6a9fd8", "#1f5fa8", "#d62728"])
+    ax.barh(list(best), list(best.values()), color=["#888888", "#6a9fd8", "#1f5fa8", "#d62728", "#ff9896"])
     ax.set_xlabel("host CPU ms per training forward (median)")
     ax.set_title(f"Patch host overhead, tiny Llama, torch {torch.__version__}", fontsize=9)
     fig.tight_layout()

@@ -257,8 +257,15 @@ def register_traced_call(fn) -> None:
     _TRACED_CALL[:] = [fn]
 
 
+_ALWAYS_VALID = ("auto", *backends.registry.KNOWN_NAMES)
+
+
 def check_backend_name(backend) -> None:
     """Raise ``ValueError`` (listing the valid names) unless ``backend`` names a backend."""
+    # backend_names() starts with these (always valid): the same ``in`` test, without
+    # building the tuple of registered names on every call
+    if backend in _ALWAYS_VALID:
+        return
     if backend not in backends.backend_names():
         raise ValueError(
             f"unknown backend {backend!r}; valid: {', '.join(backends.backend_names())}"
@@ -344,6 +351,9 @@ def check_logits_budget(budget) -> None:
 def _check_real_tensors(hidden, weight, labels, bias):
     if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("hidden and weight must be tensors")
+    if not (hidden.is_meta or weight.is_meta or isinstance(labels, torch.Tensor) and labels.is_meta
+            or isinstance(bias, torch.Tensor) and bias.is_meta):
+        return  # the usual case: the loop below only names the meta one
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
         if isinstance(t, torch.Tensor) and t.is_meta:
             raise ValueError(

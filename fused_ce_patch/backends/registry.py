@@ -104,12 +104,13 @@ def _explicit(name: str, device: torch.device, dtype: torch.dtype, source: str) 
 def _auto(device: torch.device, dtype: torch.dtype) -> Backend:
     passed_over = []
     for backend in sorted(_REGISTRY.values(), key=lambda b: -b.priority):
-        if not backend.auto:
-            continue
         types = getattr(backend, "device_types", ())
         if types and device.type not in types:
             # A backend for another device type (e.g. triton on CPU tensors, which it accepts
-            # under TRITON_INTERPRET=1 for tests) is for explicit requests only.
+            # under TRITON_INTERPRET=1 for tests) is for explicit requests only. Tested before
+            # ``auto`` (the same skip), which may read the environment.
+            continue
+        if not backend.auto:
             continue
         ok, why = backend.availability()
         if ok:

@@ -67,7 +67,7 @@ from .architectures import CE, DEFER, DONE, LOSS, MATERIALIZE, TRANSFORM, ArchSp
 from .head import check_head, fp32_output_head, fused_head_lse, head_operands, parametrized
 from .head import fused_head_loss as _head_loss
 from .head_path import resolve
-from .loss_mapping import forward_ad_dual, functorch_active, fused_loss_refusal
+from .loss_mapping import forward_ad_dual, forward_ad_open, functorch_active, fused_loss_refusal
 from .registry import PATCHED as _PATCHED
 from .registry import STOCK as _STOCK
 from .registry import stock_forward_of, wraps_patched
@@ -109,7 +109,8 @@ _WARNED: set = set()
 
 def return_logits_from_env() -> bool:
     """``$FUSED_CE_RETURN_LOGITS`` set to anything but ``"" / 0 / false / no / off``."""
-    return os.environ.get(RETURN_LOGITS_ENV, "").strip().lower() not in _FALSY
+    raw = os.environ.get(RETURN_LOGITS_ENV, "")
+    return bool(raw) and raw.strip().lower() not in _FALSY  # unset: no string work
 
 
 #: Set while a caller that may read ``outputs.logits`` runs (a Trainer subclass's own
@@ -118,16 +119,37 @@ _STOCK_PATH: contextvars.ContextVar = contextvars.ContextVar("fused_ce_stock_pat
                                                             default=False)
 
 
+class _StockPathDepth:
+    """How many :func:`stock_path` blocks are open in the process. Dynamo cannot trace
+    ``ContextVar.get`` (a graph break at the top of every compiled forward), but it reads and
+    guards a plain attribute: a traced forward reads this, and a compiled model entering or
+    leaving such a block is recompiled (process-wide rather than per thread, under compile
+    only)."""
+
+    open = 0
+
+
+_STOCK_PATH_DEPTH = _StockPathDepth()
+
+
 @contextlib.contextmanager
 def stock_path():
-    """Within the block (this thread / task only), patched forwards run their stock forward:
-    real logits, the stock loss. Used by the Trainer flag around a ``compute_loss`` it cannot
-    tell is the stock one."""
+    """Within the block (this thread / task only; under ``torch.compile``, the process),
+    patched forwards run their stock forward: real logits, the stock loss. Used by the Trainer
+    flag around a ``compute_loss`` it cannot tell is the stock one."""
     token = _STOCK_PATH.set(True)
+    _STOCK_PATH_DEPTH.open += 1
     try:
         yield
     finally:
+        _STOCK_PATH_DEPTH.open -= 1
         _STOCK_PATH.reset(token)
+
+
+def _on_stock_path() -> bool:
+    if torch.compiler.is_compiling():
+        return _STOCK_PATH_DEPTH.open > 0
+    return _STOCK_PATH.get()
 
 
 def class_slot(stock) -> _ClassSlot:
@@ -159,6 +181,26 @@ def warn_stock_path(model, reason: str) -> None:
     )
 
 
+def keyword_labels_bind(signature: inspect.Signature) -> bool:
+    """Whether ``signature.bind(self, **kwargs).arguments.get("labels")`` is
+    ``kwargs.get("labels")`` for every ``kwargs`` a method's ``(self, *args, **kwargs)`` wrapper
+    can receive with ``args`` empty: the first parameter is ``self`` (never a keyword there),
+    every other one has a default or is variadic, a ``**`` parameter takes any other name, and
+    ``labels`` is a named parameter that may be passed by keyword. Then ``bind`` (microseconds
+    per call) cannot fail and binds ``labels`` to that keyword's value or not at all."""
+    params = list(signature.parameters.values())
+    if not params or params[0].name != "self" or params[0].kind not in (
+            inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        return False
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    labels = signature.parameters.get("labels")
+    return (all(p.default is not inspect.Parameter.empty or p.kind in variadic
+                for p in params[1:])
+            and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+            and labels is not None and labels is not params[0] and labels.kind in (
+                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+
+
 def patched_forward(stock, spec: ArchSpec):
     """The patched forward for the stock forward ``stock`` (one function per stock forward).
 
@@ -172,6 +214,7 @@ def patched_forward(stock, spec: ArchSpec):
         return _PATCHED[stock][0]
     slot = _ClassSlot()
     signature = inspect.signature(stock)
+    keyword_labels = keyword_labels_bind(signature)
     rewritten = spec.build(_helpers(slot, lse_terms=bool(spec.extra_terms)))
 
     @functools.wraps(stock)
@@ -190,11 +233,13 @@ def patched_forward(stock, spec: ArchSpec):
         if options is None:  # reverted: behave exactly as the stock forward
             return stock(self, *args, **kwargs)
         if skip_logits is False or options.return_logits or return_logits_from_env() \
-                or _STOCK_PATH.get():
+                or _on_stock_path():
             return stock(self, *args, **kwargs)
         if skip_logits is None and not (self.training and torch.is_grad_enabled()):
             return stock(self, *args, **kwargs)
-        if signature.bind(self, *args, **kwargs).arguments.get("labels") is None:
+        labels = kwargs.get("labels") if keyword_labels and not args else \
+            signature.bind(self, *args, **kwargs).arguments.get("labels")
+        if labels is None:
             # The stock forward computes a loss only when labels is given (shift_labels alone
             # gives loss=None there too).
             if skip_logits:
@@ -600,7 +645,8 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
         return f"its num_items_in_batch has shape {tuple(n.shape)}, not one number"
     if functorch_active():
         return "a functorch transform (torch.func.grad / vmap) is active"
-    if forward_ad_dual(logits.hidden, weight, getattr(logits.head, "bias", None)):
+    if forward_ad_open() and forward_ad_dual(logits.hidden, weight,
+                                             getattr(logits.head, "bias", None)):
         return "forward-mode AD (a dual tensor) reaches its lm_head"
     return None
 

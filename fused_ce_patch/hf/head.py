@@ -54,6 +54,7 @@ import sys
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from ..errors import UnsupportedModelError
 from ..loss import fused_linear_cross_entropy
@@ -71,6 +72,15 @@ def _peft_classes():
     """PEFT wrapper classes, or None when PEFT was never imported (then no head is wrapped)."""
     if "peft" not in sys.modules:
         return None
+    # Once PEFT's modules are loaded these are attribute reads of them, which is what the import
+    # statements below do after their sys.modules lookup (each such statement costs about a
+    # microsecond per call, and this runs three times per patched forward).
+    found = (_loaded_attr("peft.tuners.tuners_utils", "BaseTunerLayer"),
+             _loaded_attr("peft.utils.other", "AuxiliaryTrainingWrapper"),
+             _loaded_attr("peft.utils.other", "ModulesToSaveWrapper"),
+             _loaded_attr("peft.tuners.lora.layer", "Linear"))
+    if None not in found:
+        return found
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import ModulesToSaveWrapper
 
@@ -81,6 +91,12 @@ def _peft_classes():
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     return BaseTunerLayer, AuxiliaryTrainingWrapper, ModulesToSaveWrapper, LoraLinear
+
+
+def _loaded_attr(module_name: str, attr: str):
+    """``module_name.attr`` when that module is loaded and has it, else None (then the caller
+    imports it)."""
+    return getattr(sys.modules.get(module_name), attr, None)
 
 
 def _gatherer(hook) -> str | None:
@@ -115,15 +131,14 @@ def _check_no_hooks(module: nn.Module, name: str, owners: list | None = None):
             f"(torch.nn.modules.module.register_module_*_hook); they would run in {name}'s "
             f"call, which the fused loss bypasses because it reads the weight. {_ESCAPE}"
         )
-    backward = [*module._backward_pre_hooks.values(), *module._backward_hooks.values()]
-    if backward:
+    if module._backward_pre_hooks or module._backward_hooks:
         raise UnsupportedModelError(
             f"{name} ({type(module).__name__}) has backward hooks, which would see the "
             f"gradient of its output that the fused loss never forms (it reads the weight "
             f"instead of calling the module). {_ESCAPE}"
         )
-    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
-    if hooks:
+    if module._forward_pre_hooks or module._forward_hooks:
+        hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
         kinds = {_gatherer(h) for h in hooks}
         if owners is None or None in kinds:
             known = "" if owners is None or kinds == {None} else (
@@ -153,8 +168,10 @@ def _check_no_hooks(module: nn.Module, name: str, owners: list | None = None):
 def _global_hooks() -> str:
     """The kinds of torch's process-wide module hooks now registered ("" when none): they run in
     every module's call, the head's included."""
-    from torch.nn.modules import module as m
-
+    m = _torch_module
+    if not (m._global_forward_pre_hooks or m._global_forward_hooks
+            or m._global_backward_pre_hooks or m._global_backward_hooks):
+        return ""  # the usual case, without building the list below
     kinds = [("forward pre-", m._global_forward_pre_hooks), ("forward", m._global_forward_hooks),
              ("backward pre-", m._global_backward_pre_hooks),
              ("backward", m._global_backward_hooks)]  # fmt: skip
@@ -258,6 +275,9 @@ def tp_head_layout(module: nn.Module, name: str = "lm_head"):
 def _fsdp1_class():
     if "torch.distributed.fsdp" not in sys.modules:
         return None
+    found = _loaded_attr("torch.distributed.fsdp", "FullyShardedDataParallel")
+    if found is not None:  # what the import statement below reads, without its cost
+        return found
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     return FullyShardedDataParallel
@@ -336,7 +356,8 @@ def custom_torch_function(tensor) -> str:
     ``torch.Tensor``'s own and the disabled implementation (``nn.Parameter``, ``DTensor``,
     FSDP1's ``FlatParameter``, DeepSpeed's and PEFT's parameters, which are plain Parameters)
     are torch's default handling."""
-    if tensor is None or type(tensor) in (torch.Tensor, nn.Parameter):
+    kind = type(tensor)
+    if tensor is None or kind is nn.Parameter or kind is torch.Tensor:
         return ""
     impl = getattr(type(tensor), "__torch_function__", None)
     if impl is torch._C._disabled_torch_function_impl or \
@@ -395,8 +416,35 @@ def _linear_replaced() -> str:
 def parametrized(module: nn.Module, pname: str = "weight") -> bool:
     """Whether ``module.pname`` is computed by a ``torch.nn.utils.parametrize`` parametrization
     on each read."""
+    if _module_lacks(module, "parametrizations"):
+        return False  # getattr below would raise and catch an AttributeError (a microsecond)
     parametrizations = getattr(module, "parametrizations", None)
     return parametrizations is not None and pname in parametrizations
+
+
+_MODULE_GETATTR = nn.Module.__getattr__
+_GENERIC_GETATTRIBUTE = object.__getattribute__
+_MODULE_STORES = ("_parameters", "_buffers", "_modules")
+
+
+def _module_lacks(module, name: str) -> bool:
+    """True only when ``getattr(module, name)`` raises ``AttributeError`` without running any
+    code of the module's: its class keeps Python's attribute lookup and ``nn.Module.__getattr__``
+    (which looks in ``_parameters``, ``_buffers``, ``_modules``, torch 2.x), and ``name`` is in
+    none of the classes of its MRO, its ``__dict__`` or those three. False when unsure."""
+    cls = type(module)
+    if cls.__getattr__ is not _MODULE_GETATTR or cls.__getattribute__ is not _GENERIC_GETATTRIBUTE:
+        return False
+    d = module.__dict__
+    if name in d:
+        return False
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return False
+    for store in _MODULE_STORES:
+        if name in d.get(store, ()):
+            return False
+    return True
 
 
 def _unevaluated(module: nn.Module, pname: str):
@@ -567,8 +615,8 @@ def _restore(module, previous):
 
 def _check_gathered(weight, hidden, name, owners):
     # Never train on a shard: each wrapper's placeholder looks different.
-    mode = ", ".join(sorted({_mode(o) for o in owners})) or "no gathering wrapper found"
     if type(weight).__name__ == "DTensor":
+        mode = _modes(owners)
         raise UnsupportedModelError(
             f"{name}.weight is a DTensor (sharded by FSDP2 fully_shard, or by tensor "
             f"parallelism on a head that is not itself transformers' colwise_gather_output "
@@ -578,16 +626,23 @@ def _check_gathered(weight, hidden, name, owners):
         )
     status = getattr(weight, "ds_status", None)
     if status is not None and getattr(status, "name", "") != "AVAILABLE":
+        mode = _modes(owners)
         raise UnsupportedModelError(
             f"{name}.weight is a DeepSpeed ZeRO-3 partition ({status.name}) when the fused loss "
             f"reads it ({mode}). {_ESCAPE}"
         )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.numel() == 0:
+        mode = _modes(owners)
         raise UnsupportedModelError(
             f"{name}.weight has shape {tuple(weight.shape)} for hidden states "
             f"{tuple(hidden.shape)}: a shard or flat placeholder (FSDP1 flat parameter, ZeRO-3 "
             f"partition?) rather than the gathered [V, H] weight ({mode}). {_ESCAPE}"
         )
+
+
+def _modes(owners) -> str:
+    """The gathering wrappers of ``owners``, for an error message (only then: it costs)."""
+    return ", ".join(sorted({_mode(o) for o in owners})) or "no gathering wrapper found"
 
 
 def _mode(owner) -> str:

@@ -38,6 +38,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.autograd import forward_ad as _forward_ad
 
 from ..errors import LabelOutOfRangeError, raise_if_double_backward
 
@@ -123,8 +124,8 @@ def chunked_causal_lm_loss(
 
     Inputs the chunked path does not take (logits that are not a floating tensor or whose
     ``[-1, V]`` view fails, labels that are not int64, a non-int ``ignore_index`` or
-    ``vocab_size``, neither labels nor shift_labels) go to ``ForCausalLMLoss`` itself, so its
-    exceptions and results are stock's.
+    ``vocab_size``, neither labels nor shift_labels), and calls traced by ``torch.compile``, go
+    to ``ForCausalLMLoss`` itself, so its exceptions and results are stock's.
 
     Args:
         logits: ``[..., V]`` logits in any float dtype (kept in it; chunks are upcast).
@@ -146,8 +147,10 @@ def chunked_causal_lm_loss(
         ValueError: labels and logits hold different numbers of positions (as stock).
     """
     target = labels if shift_labels is None else shift_labels
+    # Under Dynamo, stock's own loss: the label check's host read below would break the graph
+    # (Inductor fuses stock's cross-entropy anyway).
     if not _chunkable(logits, target, vocab_size, ignore_index) or functorch_active() \
-            or forward_ad_dual(logits):
+            or torch.compiler.is_compiling() or forward_ad_dual(logits):
         return _stock_loss()(
             logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
             ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,
@@ -261,15 +264,20 @@ def functorch_active() -> bool:
     return peek is not None and peek() is not None
 
 
+def forward_ad_open() -> bool:
+    """Whether a forward-mode AD level is open (else no tensor is dual: callers skip reading
+    the operands :func:`forward_ad_dual` would test). ``forward_ad`` is imported once, at the
+    top: an import statement per call costs a microsecond."""
+    return getattr(_forward_ad, "_current_level", -1) >= 0
+
+
 def forward_ad_dual(*tensors) -> bool:
     """Whether a forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``) and
     one of ``tensors`` carries a tangent there: the package's ``autograd.Function``s have no
     ``jvp``, so the stock computation runs."""
-    from torch.autograd import forward_ad
-
-    if getattr(forward_ad, "_current_level", -1) < 0:  # no level open: nothing is dual
+    if not forward_ad_open():  # no level open: nothing is dual
         return False
-    return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
+    return any(isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None
                for t in tensors)
 
 
