@@ -188,6 +188,65 @@ def output_embeddings(target):
             f"loss reads the vocabulary projection it returns)") from exc
 
 
+@dataclasses.dataclass(frozen=True)
+class InstanceSpec:
+    """What :func:`apply_fused_ce` patches one instance by (:func:`instance_spec`).
+
+    Attributes:
+        spec: the class's derived spec; for a head module with a transform before the
+            projection, its ``fingerprint`` also covers the analysed head forwards (so a
+            changed head forward is proven again).
+        stock: the stock forward the spec was derived from.
+        head: ``get_output_embeddings()``, the vocabulary projection.
+        path: how the head module reaches ``head`` (:mod:`.head_path`), or None when the
+            forward calls ``head`` itself.
+    """
+
+    spec: ArchSpec
+    stock: object
+    head: nn.Module
+    path: object
+
+
+def instance_spec(target) -> InstanceSpec:
+    """Derive what patching ``target`` (an unwrapped causal LM) means, without proving it.
+
+    The one place that decides the proof's key for an instance: :func:`apply_fused_ce` and
+    the Trainer flag's refusal check prove with the spec returned here, so one proof serves
+    both.
+
+    Raises:
+        UnsupportedModelError: the class is refused (:func:`spec_for_class` without the
+            proof), its forward is not the one derived from, ``get_output_embeddings()``
+            raises, or the head module's call cannot be split into a transform followed by
+            the projection (:func:`~.head_path.head_path`).
+    """
+    model_type = getattr(getattr(target, "config", None), "model_type", None)
+    spec = spec_for_class(type(target), model_type, check_verified=False)
+    stock = _stock_forward(type(target), spec)
+    head = output_embeddings(target)
+    path = None
+    if getattr(target, spec.head_attr, None) is not head:
+        # a head module with a transform before the projection (RoBERTa, BERT): the fused
+        # loss takes the projection's input; its analysed forwards are part of what is proven
+        path = head_path(target, spec.head_attr, head)
+        spec = dataclasses.replace(spec, fingerprint=hashlib.sha256(
+            f"{spec.fingerprint}\0{path.fingerprint}".encode()).hexdigest()[:16])
+    return InstanceSpec(spec, stock, head, path)
+
+
+def prove_instance(target, found: InstanceSpec) -> None:
+    """:func:`~.proof.ensure_proven` of ``target``'s class under ``found.spec`` (memo and disk
+    cache first), built from ``target``'s config, retried on its device.
+
+    Raises:
+        UnsupportedModelError: as :func:`~.proof.ensure_proven`.
+    """
+    config = getattr(target, "config", None)
+    proof.ensure_proven(type(target), found.spec, getattr(config, "model_type", None),
+                        model_device(target), config)
+
+
 def model_device(model) -> torch.device | None:
     """The device of ``model``'s first parameter (where a proof may run again), or None."""
     try:
@@ -357,21 +416,11 @@ def apply_fused_ce(
             f"e.g. the model returned by AutoModelForCausalLM.from_pretrained"
         )
     # _verified: only the parity sweep, which is what does the verifying, skips the proof.
-    model_type = getattr(target.config, "model_type", None)
-    spec = spec_for_class(type(target), model_type, check_verified=False)
-    stock = _stock_forward(type(target), spec)
-    head = output_embeddings(target)
-    head_forwards = None
-    if getattr(target, spec.head_attr, None) is not head:
-        # a head module with a transform before the projection (RoBERTa, BERT): the fused
-        # loss takes the projection's input; its analysed forwards are part of what is proven
-        path = head_path(target, spec.head_attr, head)
-        head_forwards = path.forwards
-        spec = dataclasses.replace(spec, fingerprint=hashlib.sha256(
-            f"{spec.fingerprint}\0{path.fingerprint}".encode()).hexdigest()[:16])
+    found = instance_spec(target)
+    spec, stock, head, path = found.spec, found.stock, found.head, found.path
+    head_forwards = None if path is None else path.forwards
     if not _verified:
-        proof.ensure_proven(type(target), spec, model_type, model_device(target),
-                            target.config)
+        prove_instance(target, found)
     check_head(head, path.names[-1] if head_forwards is not None else "lm_head")
 
     state = target.__dict__.get(STATE_ATTR)

@@ -321,7 +321,7 @@ class FusedCECallback(TrainerCallback):
 def _refusal(model) -> str | None:
     """Why ``apply_fused_ce`` would refuse ``model`` (a short reason), or None."""
     from ..errors import UnsupportedModelError
-    from .patch import model_device, output_embeddings, spec_for_class
+    from .patch import instance_spec, output_embeddings, prove_instance
 
     target = unwrap_causal_lm(model)
     if not callable(getattr(target, "get_output_embeddings", None)):
@@ -335,8 +335,9 @@ def _refusal(model) -> str | None:
         return (f"{type(target).__name__} has no vocabulary head (lm_head), so there is no "
                 f"causal-LM loss to fuse")
     try:
-        spec_for_class(type(target), getattr(getattr(target, "config", None), "model_type", None),
-                       device=model_device(target), config=getattr(target, "config", None))
+        # apply_fused_ce's own spec (a transform head's forwards included), so that the proof
+        # run here is the one apply_fused_ce then finds in the memo
+        prove_instance(target, instance_spec(target))
     except UnsupportedModelError as exc:
         return f"{type(target).__name__} is not supported ({str(exc).split('; ')[0][:300]})"
     return None

@@ -397,6 +397,14 @@ def test_modernbert_decoder_nested_head_call_is_derived():
     assert spec.head_attr == "decoder"
 
 
+def _refitted_roberta_head_forward(self, features, **kwargs):
+    """RoBERTa's head computation written anew (the same operations, another source)."""
+    x = self.dense(features)
+    x = transformers.models.roberta.modeling_roberta.gelu(x)
+    x = self.layer_norm(x)
+    return self.decoder(x)
+
+
 def test_the_analysed_head_forwards_are_part_of_the_proof_key(monkeypatch):
     """A different (fitting) head forward proves again: its source is in the fingerprint."""
     from transformers.models.roberta.modeling_roberta import RobertaLMHead
@@ -408,13 +416,7 @@ def test_the_analysed_head_forwards_are_part_of_the_proof_key(monkeypatch):
     apply_fused_ce(_build("roberta", seed=1), backend="torch")
     assert len(calls) == 1  # the memo
 
-    def forward(self, features, **kwargs):
-        x = self.dense(features)
-        x = transformers.models.roberta.modeling_roberta.gelu(x)
-        x = self.layer_norm(x)
-        return self.decoder(x)
-
-    monkeypatch.setattr(RobertaLMHead, "forward", forward)
+    monkeypatch.setattr(RobertaLMHead, "forward", _refitted_roberta_head_forward)
     apply_fused_ce(_build("roberta", seed=2), backend="torch")
     assert len(calls) == 2
 
@@ -558,3 +560,61 @@ def test_a_chunked_call_through_another_function_is_not_split():
     head = _FakeChunkedHead()
     found = resolve(head, head.decoder)
     assert isinstance(found, str) and "apply_chunking_to_forward is not transformers'" in found
+
+
+def _flag_trainer(model, tmp_path):
+    """A Trainer with the use_fused_ce flag (the callback patches ``model`` in ``__init__``)."""
+    from transformers import Trainer
+
+    from fused_ce_patch import FusedCETrainingArguments
+
+    args = FusedCETrainingArguments(output_dir=str(tmp_path), use_fused_ce=True,
+                                    fused_ce_backend="torch", report_to=[], use_cpu=True)
+    return Trainer(model=model, args=args)
+
+
+def test_trainer_flag_proves_a_transform_head_once(monkeypatch, tmp_path):
+    """The flag's refusal check and apply_fused_ce prove the same thing (the class with its
+    analysed head forwards): one proof, not one per spelling of the key."""
+    calls = []
+    real = proof.prove
+    monkeypatch.setattr(proof, "prove", lambda *a, **k: calls.append(a) or real(*a, **k))
+    model = _build("roberta")
+    _flag_trainer(model, tmp_path)
+    assert is_fused_ce_applied(model)
+    assert len(calls) == 1
+    _flag_trainer(_build("roberta", seed=1), tmp_path)
+    assert len(calls) == 1  # the memo
+    assert apply_fused_ce(_build("roberta", seed=2), backend="torch")
+    assert len(calls) == 1  # apply_fused_ce reads the flag's proof
+
+
+def test_trainer_flag_proves_a_changed_head_again(monkeypatch, tmp_path):
+    """A head forward that changed since the last proof is proven again under the flag (once)."""
+    from transformers.models.roberta.modeling_roberta import RobertaLMHead
+
+    calls = []
+    real = proof.prove
+    monkeypatch.setattr(proof, "prove", lambda *a, **k: calls.append(a) or real(*a, **k))
+    _flag_trainer(_build("roberta"), tmp_path)
+    assert len(calls) == 1
+
+    monkeypatch.setattr(RobertaLMHead, "forward", _refitted_roberta_head_forward)
+    model = _build("roberta", seed=1)
+    _flag_trainer(model, tmp_path)
+    assert is_fused_ce_applied(model)
+    assert len(calls) == 2
+
+
+def test_trainer_flag_warns_and_trains_stock_on_a_head_that_does_not_fit(tmp_path, caplog):
+    """The flag refuses a head module whose call cannot be split as it refuses every other
+    model apply_fused_ce would: one warning naming the reason, the model left stock."""
+    import logging
+
+    model = _build("roberta")
+    model.lm_head.__class__ = _AddsAfterTheProjection
+    with caplog.at_level(logging.WARNING, logger="fused_ce_patch"):
+        _flag_trainer(model, tmp_path)
+    warned = [r.getMessage() for r in caplog.records if "use_fused_ce" in r.getMessage()]
+    assert len(warned) == 1 and "_AddsAfterTheProjection.forward" in warned[0], warned
+    assert not is_fused_ce_applied(model)
