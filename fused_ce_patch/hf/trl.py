@@ -543,7 +543,9 @@ def convert_nll_sft_trainer(trainer, target) -> object | None:
 
     Returns what the instance held under ``forward`` before (for revert), or None when the
     trainer needs nothing (not an SFTTrainer, another loss type, Liger, a custom loss, a PEFT
-    adapter on lm_head) or cannot have it (a TRL without the chunked head, or
+    adapter on lm_head, a ``get_output_embeddings()`` that raises or returns None: then
+    :func:`~fused_ce_patch.apply_fused_ce` refuses the model, or the Trainer flag trains it
+    unpatched, each saying why) or cannot have it (a TRL without the chunked head, or
     ``compute_metrics`` that needs eval logits: then one warning says TRL's training metrics
     need ``return_logits=True``).
     """
@@ -569,7 +571,12 @@ def convert_nll_sft_trainer(trainer, target) -> object | None:
             "pass FusedCECallback(return_logits=True) (or use_fused_ce with "
             "fused_ce_return_logits=True) to keep them, or drop compute_metrics")
         return None
-    head = target.get_output_embeddings()
+    try:
+        head = target.get_output_embeddings()
+    except Exception:  # noqa: BLE001 - apply_fused_ce refuses such a model and says why
+        return None
+    if head is None:  # no vocabulary head: nothing for TRL's chunked head to project with
+        return None
     if "peft" in sys.modules and isinstance(
         head, sys.modules["peft"].tuners.tuners_utils.BaseTunerLayer
     ):

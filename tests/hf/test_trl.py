@@ -431,6 +431,62 @@ def test_forward_calls_projection_tells_transform_heads_apart():
     assert trl_routing._forward_calls_projection(llama, llama.get_output_embeddings())
 
 
+def _chunked_nll_trl(monkeypatch):
+    """TRL as 1.6-1.14 was, for :func:`convert_nll_sft_trainer`: no ``add_fused_lm_head``, and
+    a ``_patch_chunked_ce_lm_head`` (a recorder here) in ``sft_trainer``; returns its calls."""
+    import trl.trainer.sft_trainer as sft_mod
+    import trl.trainer.utils as utils_mod
+
+    calls = []
+    monkeypatch.setattr(utils_mod, "add_fused_lm_head", None, raising=False)
+    monkeypatch.setattr(sft_mod, "_patch_chunked_ce_lm_head",
+                        lambda model, chunk_size, is_vlm: calls.append(model), raising=False)
+    return calls
+
+
+def _nll_sft_trainer():
+    """An ``SFTTrainer`` as ``on_init_end`` sees one with ``loss_type="nll"`` and nothing that
+    keeps TRL's chunked head off (no ``__init__``: only the fields the conversion reads)."""
+    import types
+
+    trainer = trl.SFTTrainer.__new__(trl.SFTTrainer)
+    trainer.args = types.SimpleNamespace(loss_type="nll", use_liger_kernel=False)
+    trainer.compute_loss_func = trainer.label_smoother = None
+    trainer.compute_metrics = trainer.preprocess_logits_for_metrics = None
+    return trainer
+
+
+def test_nll_conversion_installs_trls_chunked_head_on_a_plain_head(monkeypatch):
+    """The control of the test below: the simulated older TRL reaches the head's install."""
+    calls = _chunked_nll_trl(monkeypatch)
+    model = build_model("llama")
+    trainer = _nll_sft_trainer()
+    assert trl_routing.convert_nll_sft_trainer(trainer, model) is not None
+    assert calls == [model] and "compute_loss" in trainer.__dict__
+
+
+@pytest.mark.parametrize("head", ["raises", "none"])
+def test_nll_conversion_steps_aside_when_the_head_cannot_be_read(head, monkeypatch, caplog):
+    """A model whose get_output_embeddings() raises (NotImplementedError: a class that never
+    defined it) or returns None gets no TRL head and no warning from this step: nothing is
+    installed, and apply_fused_ce refuses that model itself, saying why."""
+    calls = _chunked_nll_trl(monkeypatch)
+    model = build_model("llama")
+
+    def get_output_embeddings():
+        if head == "raises":
+            raise NotImplementedError("no output embeddings here")
+        return None
+
+    monkeypatch.setattr(model, "get_output_embeddings", get_output_embeddings)
+    trainer = _nll_sft_trainer()
+    with caplog.at_level("WARNING", logger="fused_ce_patch.hf.trl"):
+        assert trl_routing.convert_nll_sft_trainer(trainer, model) is None
+    assert calls == [] and "compute_loss" not in trainer.__dict__
+    assert "forward" not in model.__dict__
+    assert caplog.records == []
+
+
 @pytest.mark.skipif(STOCK_HEAD_ON_CPU, reason="TRL's own head runs on CPU here (trl != 1.15)")
 def test_trl_head_without_a_cpu_path_fails_stock_and_trains_patched(tmp_path, token_spy):
     # trl 1.15 launches Triton kernels on CPU tensors: stock SFT cannot train on CPU, a
