@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_run.sh STEP[:SECONDS] ...
 # Steps: variants | tests[=PATHS] | bench[=IMPLS[@SHAPES]] | e2e | script=NAME[@ARGS] | dist[=PATHS]
 #   dist runs tests/distributed (or PATHS) on 2 GPUs with NCCL (FUSED_CE_DIST_DEVICE=cuda)
-#   script=NAME runs benchmarks/NAME.py --out $OUT [ARGS, commas -> spaces], log in $OUT/NAME.log
+#   script=NAME runs benchmarks/NAME.py --out $OUT [ARGS, split at spaces: quote the step, e.g.
+#   'script=gpu_compile_ab@--modes compiled --batch 4:300'], log appended to $OUT/NAME.log
 # Every step's log and result files go to $OUT; a step over its time is stopped, the next runs.
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -49,8 +50,8 @@ for spec in "$@"; do
     e2e)      timeout "$secs" python3 benchmarks/gpu_e2e.py --out "$OUT" \
                 > "$OUT/e2e.log" 2>&1 ;;
     script)   sname=${arg%%@*}; sargs=${arg#*@}; [ "$sargs" = "$arg" ] && sargs=""
-              timeout "$secs" python3 "benchmarks/$sname.py" --out "$OUT" ${sargs//,/ } \
-                > "$OUT/$sname.log" 2>&1 ;;
+              timeout "$secs" python3 "benchmarks/$sname.py" --out "$OUT" $sargs \
+                >> "$OUT/$sname.log" 2>&1 ;;
     dist)     FUSED_CE_DIST_DEVICE=cuda timeout "$secs" python3 -m pytest ${arg:-tests/distributed} \
                 -q -rA -p no:cacheprovider > "$OUT/dist_tests.log" 2>&1 ;;
     *) echo "unknown step $name" ;;

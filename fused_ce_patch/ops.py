@@ -37,11 +37,17 @@ is no graph break at the loss.
 Eager calls never go through these ops. Double backward through them is not supported (as in
 eager).
 
+Each op carries ``torch.Tag.cudagraph_unsafe`` (torch 2.8+): its host read of the labels cannot
+run while a CUDA graph is captured, and a replayed graph would keep one batch's label count and
+chunking. So ``torch.compile(mode="reduce-overhead")`` captures the rest of the graph around the
+op (Inductor's graph partitions) or, without partitioning, skips CUDA graphs for that graph.
+
 Source: PyTorch "Python custom operators" tutorial (``torch.library.custom_op``,
 ``register_fake``, ``register_autograd``), torch 2.4+.
 """
 
 import contextlib
+import inspect
 import numbers
 from typing import Optional
 
@@ -53,6 +59,18 @@ from .errors import raise_if_double_backward
 from .loss import fused_linear_cross_entropy, register_traced_call
 
 _NAMESPACE = "fused_ce"
+
+
+def _op_tags() -> dict:
+    """``custom_op``'s ``tags`` argument: ``cudagraph_unsafe`` where this torch has the tag and
+    the argument (see the module docstring), else nothing."""
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is None or "tags" not in inspect.signature(custom_op).parameters:
+        return {}
+    return {"tags": (tag,)}
+
+
+_OP_TAGS = _op_tags()
 
 
 def _eager(hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f, ignore_index,
@@ -126,7 +144,7 @@ def _loss_dtype(hidden: Tensor) -> torch.dtype:
     return torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
 
-@custom_op(f"{_NAMESPACE}::linear_cross_entropy", mutates_args=())
+@custom_op(f"{_NAMESPACE}::linear_cross_entropy", mutates_args=(), **_OP_TAGS)
 def linear_cross_entropy(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
     num_items_t: Optional[Tensor], num_items_i: Optional[int], num_items_f: Optional[float],
@@ -148,7 +166,7 @@ def _(hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f, ignor
     return hidden.new_empty(shape, dtype=_loss_dtype(hidden))
 
 
-@custom_op(f"{_NAMESPACE}::linear_cross_entropy_backward", mutates_args=())
+@custom_op(f"{_NAMESPACE}::linear_cross_entropy_backward", mutates_args=(), **_OP_TAGS)
 def linear_cross_entropy_backward(
     grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
     num_items_t: Optional[Tensor], num_items_i: Optional[int], num_items_f: Optional[float],
@@ -189,7 +207,7 @@ def _backward(ctx, grad):
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
 
 
-@custom_op(f"{_NAMESPACE}::linear_cross_entropy_and_grads", mutates_args=())
+@custom_op(f"{_NAMESPACE}::linear_cross_entropy_and_grads", mutates_args=(), **_OP_TAGS)
 def linear_cross_entropy_and_grads(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
     num_items_t: Optional[Tensor], num_items_i: Optional[int], num_items_f: Optional[float],

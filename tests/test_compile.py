@@ -211,6 +211,16 @@ def test_double_backward_raises_where_the_backward_runs_eagerly():
         torch.autograd.grad(out, (h,), create_graph=True)
 
 
+@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"),
+                    reason="this torch has no cudagraph_unsafe tag")
+@pytest.mark.parametrize("name", ["linear_cross_entropy", "linear_cross_entropy_backward",
+                                  "linear_cross_entropy_and_grads"])
+def test_ops_are_kept_out_of_cuda_graphs(name):
+    """mode="reduce-overhead" must not capture the op (its host read of the labels cannot run
+    under capture, and a replay would keep one batch's count): Inductor reads this tag."""
+    assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.fused_ce, name).default.tags
+
+
 def _tiny_llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -292,6 +302,35 @@ def test_compiled_patched_model_follows_stock_path():
     want = ForCausalLMLoss(model(input_ids=ids).logits.detach(), labels, 211)
     torch.testing.assert_close(out.loss.detach(), want, rtol=1e-5, atol=0)
     assert isinstance(compiled(input_ids=ids, labels=labels).logits, NotMaterializedLogits)
+
+
+def test_reduce_overhead_mode_follows_each_batch(monkeypatch):
+    """``torch.compile(mode="reduce-overhead")`` of a patched model (CUDA graphs do not apply on
+    CPU; tests/gpu/test_compile_gpu.py runs it on CUDA): every step's loss and gradients are
+    eager's for that step's labels, whose ignored count changes from step to step."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    torch._dynamo.reset()
+    ids, labels = _batch()
+    ref = _tiny_llama()
+    ref.loss_function = ForCausalLMLoss
+    model = apply_fused_ce(_tiny_llama(), backend="torch")
+    compiled = torch.compile(model, mode="reduce-overhead")
+    spy = OpSpy(monkeypatch)
+    for step, ignored in enumerate((4, 0, 7)):
+        y = labels.clone()
+        y[1, :] = ids[1, :]
+        y[1, :ignored] = -100
+        want = ref(input_ids=ids, labels=y).loss
+        want.backward()
+        got = compiled(input_ids=ids, labels=y).loss
+        got.backward()
+        assert spy.calls == step + 1
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
 
 
 def test_patched_step_imports_nothing_from_transformers(monkeypatch):

@@ -164,13 +164,6 @@ def _supported_list() -> str:
             f"(docs/support.md lists those proven on each transformers release)")
 
 
-def _spec_for(model: nn.Module) -> ArchSpec:
-    """The derived spec of ``model``'s class, refusing anything the proof does not pass."""
-    config = getattr(model, "config", None)
-    return spec_for_class(type(model), getattr(config, "model_type", None),
-                          device=model_device(model), config=config)
-
-
 def output_embeddings(target):
     """``target.get_output_embeddings()``, or UnsupportedModelError where that call raises (a
     RoBERTa whose ``lm_head`` was replaced by a plain module: its method reads

@@ -2,8 +2,9 @@
 
 Run: ``pytest -m gpu tests/gpu/test_compile_gpu.py -q``. A patched tiny Llama on CUDA gives
 the same loss and gradients compiled (Inductor) as eager, the fused loss runs as the
-``fused_ce::linear_cross_entropy_and_grads`` custom op (spy), and the functional compiles with
-``fullgraph=True`` (no graph break at the loss).
+``fused_ce::linear_cross_entropy_and_grads`` custom op (spy), ``mode="reduce-overhead"`` (CUDA
+graphs) follows every batch's labels, and the functional compiles with ``fullgraph=True`` (no
+graph break at the loss).
 """
 
 from __future__ import annotations
@@ -79,6 +80,33 @@ def test_compiled_vs_eager_patched_llama(monkeypatch, dtype, loss_tol, grad_tol)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         err = ((p.grad.double() - q.grad.double()).norm() / q.grad.double().norm()).item()
         assert err <= grad_tol, (name, err)
+
+
+def test_reduce_overhead_patched_llama(monkeypatch):
+    """``torch.compile(mode="reduce-overhead")``: CUDA graphs around the fused loss, whose op is
+    tagged cudagraph_unsafe (it reads the labels on the host). Steps whose ignored counts differ
+    each match eager at those labels: a captured op would replay the first batch's count."""
+    ids, labels = _batch()
+    eager = apply_fused_ce(_tiny_llama(torch.float32))
+    model = apply_fused_ce(_tiny_llama(torch.float32))
+    compiled = torch.compile(model, mode="reduce-overhead")
+    calls = _spy(monkeypatch)
+    for step, ignored in enumerate((10, 0, 40, 5)):
+        y = labels.clone()
+        y[1] = ids[1]
+        y[1, :ignored] = -100
+        want = eager(input_ids=ids, labels=y).loss
+        want.backward()
+        got = compiled(input_ids=ids, labels=y).loss
+        got.backward()
+        assert calls == ["cuda"] * (step + 1)  # the op ran eagerly at every step
+        rel = ((got.double() - want.double()).abs() / want.double().abs()).item()
+        assert rel <= 1e-5, (step, rel)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            err = ((p.grad.double() - q.grad.double()).norm() / q.grad.double().norm()).item()
+            assert err <= 1e-4, (step, name, err)
+        model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
 
 
 def test_functional_full_graph_cuda():
