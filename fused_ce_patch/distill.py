@@ -14,6 +14,7 @@ import numbers
 import torch
 
 from .backends.distill_chunked import BACKENDS, DivergenceSpec, run_divergence
+from .errors import raise_if_capturing
 from .loss import NUM_ITEMS_GRAD_MESSAGE
 
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
@@ -107,6 +108,8 @@ def fused_linear_jsd(
         BackendUnavailableError: ``backend="triton"`` where Triton cannot run.
         TypeError: non-tensor inputs, non-float dtypes, hidden/weight dtypes differ,
             non-integer labels.
+        RuntimeError: called while a CUDA graph is being captured (it reads counts on the
+            host).
 
     Source: Agarwal et al., "On-Policy Distillation of Language Models: Learning from
     Self-Generated Mistakes" (ICLR 2024), Eq. 1; TRL 1.16 ``generalized_jsd_loss`` for the
@@ -126,6 +129,7 @@ def fused_linear_jsd(
         raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(REDUCTIONS)}")
     _check_model("student", student_hidden, student_weight, student_bias)
     _check_model("teacher", teacher_hidden, teacher_weight, teacher_bias)
+    raise_if_capturing(student_hidden.device, "fused_linear_jsd")  # it reads counts on the host
     if student_weight.shape[0] != teacher_weight.shape[0]:
         raise ValueError(
             f"student and teacher vocabulary sizes differ: student_weight has "

@@ -48,6 +48,32 @@ def raise_if_double_backward(what: str, remedy: str | None = None) -> None:
         )
 
 
+def cuda_graph_capturing(device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream, for tensors on
+    ``device`` (a ``torch.device``); False for every other device type."""
+    import torch
+
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def raise_if_capturing(device, what: str) -> None:
+    """Refuse to run ``what`` while a CUDA graph is being captured (:func:`cuda_graph_capturing`).
+
+    The fused functions read their labels' range and count on the host: a synchronisation
+    that CUDA refuses during capture (its error ends the capture), and a value that a replay
+    of the graph would never read again (the next batch would reuse this one's count).
+
+    Raises:
+        RuntimeError: a capture is under way; the message names ``what`` and the ways out.
+    """
+    if cuda_graph_capturing(device):
+        raise RuntimeError(
+            f"{what} cannot run while a CUDA graph is being captured: it reads the labels' "
+            f"range and count on the host, which a replay would not read again. Compute it "
+            f"outside the captured region, or use torch.compile(mode='reduce-overhead'), "
+            f"which captures CUDA graphs around it")
+
+
 def single_backward(backward=None, *, what: str = "fused_linear_cross_entropy",
                     remedy: str | None = None):
     """Decorator for a custom ``autograd.Function.backward`` that is not differentiable.

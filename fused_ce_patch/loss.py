@@ -13,7 +13,7 @@ import struct
 import torch
 from torch import nn
 
-from . import backends
+from . import backends, errors
 from .backends.base import LossSpec, Problem
 from .errors import LabelOutOfRangeError
 from .backends.nonfinite_scale import run_nonfinite_scale
@@ -108,6 +108,8 @@ def fused_linear_cross_entropy(
             ``num_items_in_batch`` that is not a real number or a one-element tensor of an
             integer or floating dtype: bool, complex, str).
         BackendUnavailableError: the requested backend cannot run on this device.
+        RuntimeError: called while a CUDA graph is being captured (the label check reads the
+            host; ``torch.compile(mode="reduce-overhead")`` captures around the loss).
 
     Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024) for
     the blockwise log-sum-exp; PyTorch ``F.cross_entropy`` and transformers' ``ForCausalLMLoss``
@@ -453,6 +455,7 @@ def _check_labels_and_num_items(labels, vocab: int, ignore_index: int, num_items
     synchronisation: its float32 bits ride along with the int64 label statistics (float64
     is not available on every device type), so knowing it on the host costs no extra sync.
     """
+    errors.raise_if_capturing(labels.device, "the fused loss")  # the host read below
     n = labels.shape[0]
     items_t = None
     if isinstance(num_items, torch.Tensor):

@@ -168,6 +168,8 @@ def fused_linear_token_stats(
             ``mean_logits`` / ``log_sum_sq_probs`` that is not a bool (``"no"`` is truthy), a
             ``replaces`` that is not a :class:`~fused_ce_patch.tile_policy.ReplacedTiling`.
         BackendUnavailableError: the requested backend cannot run here.
+        RuntimeError: called while a CUDA graph is being captured (the label check reads
+            the host).
 
     Source: the blockwise log-sum-exp of Wijmans et al., "Cut Your Losses in Large-Vocabulary
     Language Models" (2024); field names and the temperature convention of TRL's fused LM

@@ -62,6 +62,7 @@ import warnings
 
 import torch
 
+from .. import errors as _errors
 from ..errors import UnsupportedModelError
 from .architectures import CE, DEFER, DONE, LOSS, MATERIALIZE, TRANSFORM, ArchSpec
 from .head import check_head, fp32_output_head, fused_head_lse, head_operands, parametrized
@@ -607,8 +608,9 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
     another exception: a head that cannot be read as one linear map now (a hook or a new head
     module added after the patch), labels of another dtype than int64, a ``vocab_size`` that is
     not the head's, a ``num_items_in_batch`` that is not a real number, 16-bit/32-bit operands
-    mixed outside autocast, and functorch transforms (``torch.func.grad``, ``vmap``), which
-    the fused ``autograd.Function`` does not support.
+    mixed outside autocast, functorch transforms (``torch.func.grad``, ``vmap``), which
+    the fused ``autograd.Function`` does not support, and an eager call while a CUDA graph is
+    being captured (the fused loss reads its labels on the host; stock's loss does not).
     """
     try:
         check_head(logits.head)
@@ -645,6 +647,8 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
         return f"its num_items_in_batch has shape {tuple(n.shape)}, not one number"
     if functorch_active():
         return "a functorch transform (torch.func.grad / vmap) is active"
+    if not torch.compiler.is_compiling() and _errors.cuda_graph_capturing(logits.hidden.device):
+        return "a CUDA graph is being captured (the fused loss reads its labels on the host)"
     if forward_ad_open() and forward_ad_dual(logits.hidden, weight,
                                              getattr(logits.head, "bias", None)):
         return "forward-mode AD (a dual tensor) reaches its lm_head"

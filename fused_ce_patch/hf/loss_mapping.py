@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad as _forward_ad
 
-from ..errors import LabelOutOfRangeError, raise_if_double_backward
+from ..errors import LabelOutOfRangeError, cuda_graph_capturing, raise_if_double_backward
 
 #: Bytes of float32 logits one chunk may hold in :func:`chunked_causal_lm_loss`.
 CHUNK_BYTES = 64 * 2**20
@@ -124,8 +124,9 @@ def chunked_causal_lm_loss(
 
     Inputs the chunked path does not take (logits that are not a floating tensor or whose
     ``[-1, V]`` view fails, labels that are not int64, a non-int ``ignore_index`` or
-    ``vocab_size``, neither labels nor shift_labels), and calls traced by ``torch.compile``, go
-    to ``ForCausalLMLoss`` itself, so its exceptions and results are stock's.
+    ``vocab_size``, neither labels nor shift_labels), calls traced by ``torch.compile`` and
+    calls during a CUDA graph capture go to ``ForCausalLMLoss`` itself, so its exceptions and
+    results are stock's.
 
     Args:
         logits: ``[..., V]`` logits in any float dtype (kept in it; chunks are upcast).
@@ -148,9 +149,10 @@ def chunked_causal_lm_loss(
     """
     target = labels if shift_labels is None else shift_labels
     # Under Dynamo, stock's own loss: the label check's host read below would break the graph
-    # (Inductor fuses stock's cross-entropy anyway).
+    # (Inductor fuses stock's cross-entropy anyway); during a CUDA graph capture CUDA refuses it.
     if not _chunkable(logits, target, vocab_size, ignore_index) or functorch_active() \
-            or torch.compiler.is_compiling() or forward_ad_dual(logits):
+            or torch.compiler.is_compiling() or cuda_graph_capturing(logits.device) \
+            or forward_ad_dual(logits):
         return _stock_loss()(
             logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
             ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,

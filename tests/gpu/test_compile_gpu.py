@@ -3,8 +3,9 @@
 Run: ``pytest -m gpu tests/gpu/test_compile_gpu.py -q``. A patched tiny Llama on CUDA gives
 the same loss and gradients compiled (Inductor) as eager, the fused loss runs as the
 ``fused_ce::linear_cross_entropy_and_grads`` custom op (spy), ``mode="reduce-overhead"`` (CUDA
-graphs) follows every batch's labels, and the functional compiles with ``fullgraph=True`` (no
-graph break at the loss).
+graphs) follows every batch's labels, a step captured by ``torch.cuda.graph`` runs the stock
+loss and replays right, and the functional compiles with ``fullgraph=True`` (no graph break at
+the loss).
 """
 
 from __future__ import annotations
@@ -107,6 +108,58 @@ def test_reduce_overhead_patched_llama(monkeypatch):
             assert err <= 1e-4, (step, name, err)
         model.zero_grad(set_to_none=True)
         eager.zero_grad(set_to_none=True)
+
+
+def test_cuda_graph_capture_of_a_patched_step():
+    """A training step captured by ``torch.cuda.graph``: during the capture the patched forward
+    computes its stock loss (the fused loss reads the labels on the host), and each replay with
+    other labels copied in gives the stock step's loss and gradients for those labels; outside
+    a capture the fused loss runs again, and the functional refuses a capture by name."""
+    ids, labels = _batch()
+    model = apply_fused_ce(_tiny_llama(torch.float32))
+    ref = _tiny_llama(torch.float32)  # the same seed: the same weights, stock
+    static_labels = labels.clone()
+
+    def step():
+        loss = model(input_ids=ids, labels=static_labels, use_cache=False).loss
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch's CUDA graph docs do
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    model.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.warns(RuntimeWarning, match="CUDA graph is being captured"):
+        with torch.cuda.graph(graph):
+            static_loss = step()
+    for ignored in (10, 0, 40):
+        y = labels.clone()
+        y[1] = ids[1]
+        y[1, :ignored] = -100
+        static_labels.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref.zero_grad(set_to_none=True)
+        want = ref(input_ids=ids, labels=y, use_cache=False).loss
+        want.backward()
+        rel = ((static_loss.double() - want.double()).abs() / want.double().abs()).item()
+        assert rel <= 1e-5, (ignored, rel)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            err = ((p.grad.double() - q.grad.double()).norm() / q.grad.double().norm()).item()
+            assert err <= 1e-4, (ignored, name, err)
+    from fused_ce_patch.hf.sentinel import NotMaterializedLogits
+
+    assert isinstance(model(input_ids=ids, labels=labels).logits, NotMaterializedLogits)
+    h = torch.randn(8, 128, device="cuda")
+    w = torch.randn(4099, 128, device="cuda")
+    with pytest.raises(RuntimeError, match="CUDA graph is being captured"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            fused_linear_cross_entropy(h, w, labels[0, :8])
 
 
 def test_functional_full_graph_cuda():
