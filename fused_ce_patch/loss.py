@@ -12,6 +12,7 @@ import struct
 
 import torch
 from torch import nn
+from torch.autograd import forward_ad as _forward_ad
 
 from . import backends, errors
 from .backends.base import LossSpec, Problem
@@ -101,7 +102,8 @@ def fused_linear_cross_entropy(
         ValueError: a label outside ``[0, V)`` that is not ``ignore_index`` (names the value
             and V); mismatched shapes (names both); unknown reduction or backend (lists the
             valid ones); an option out of range; meta-device (data-less) tensors; a
-            ``num_items_in_batch`` tensor that requires grad (it would get no gradient).
+            ``num_items_in_batch`` tensor that requires grad or carries a forward-mode AD
+            tangent (it would get no gradient).
         TypeError: ``hidden``, ``weight`` and ``bias`` dtypes differ outside autocast; labels
             not int64/int32; inputs not floating point; an option of the wrong type (a bool
             for any numeric option, a float ``ignore_index`` or ``logits_budget``; a
@@ -307,6 +309,12 @@ NUM_ITEMS_GRAD_MESSAGE = (
     "num_items_in_batch requires grad, and the fused loss gives it no gradient; pass "
     "num_items_in_batch.detach(), or divide the reduction='sum' loss by it yourself")
 
+#: The same for a forward-mode AD tangent (``torch.autograd.forward_ad``) on it.
+NUM_ITEMS_TANGENT_MESSAGE = (
+    "num_items_in_batch carries a forward-mode AD tangent, and the fused loss gives it none; "
+    "pass its primal (forward_ad.unpack_dual(n).primal), or divide the reduction='sum' loss by "
+    "it yourself")
+
 
 def _check_num_items(num_items) -> None:
     """Type and size of ``num_items_in_batch`` (any value of a real number is valid).
@@ -319,6 +327,9 @@ def _check_num_items(num_items) -> None:
     if isinstance(num_items, torch.Tensor):
         if num_items.requires_grad and torch.is_grad_enabled():
             raise ValueError(NUM_ITEMS_GRAD_MESSAGE)
+        if getattr(_forward_ad, "_current_level", -1) >= 0 and \
+                _forward_ad.unpack_dual(num_items).tangent is not None:
+            raise ValueError(NUM_ITEMS_TANGENT_MESSAGE)
         if num_items.dtype == torch.bool or num_items.is_complex():
             raise TypeError(
                 f"num_items_in_batch must be a real number (an integer or floating tensor), "

@@ -333,6 +333,21 @@ def test_reduce_overhead_mode_follows_each_batch(monkeypatch):
         ref.zero_grad(set_to_none=True)
 
 
+def test_return_logits_env_under_compile_is_read_when_traced(monkeypatch):
+    """$FUSED_CE_RETURN_LOGITS is read when Dynamo traces the forward (docs/usage.md): set
+    after the first compiled call it takes effect once the graph is traced again."""
+    from fused_ce_patch.hf.sentinel import NotMaterializedLogits
+
+    torch._dynamo.reset()
+    ids, labels = _batch()
+    compiled = torch.compile(apply_fused_ce(_tiny_llama(), backend="torch"), backend="eager")
+    assert isinstance(compiled(input_ids=ids, labels=labels).logits, NotMaterializedLogits)
+    monkeypatch.setenv("FUSED_CE_RETURN_LOGITS", "1")
+    torch._dynamo.reset()
+    out = compiled(input_ids=ids, labels=labels)
+    assert isinstance(out.logits, torch.Tensor) and not isinstance(out.logits, NotMaterializedLogits)
+
+
 def test_patched_step_imports_nothing_from_transformers(monkeypatch):
     """Under torch 2.11's Dynamo an import statement that yields ``transformers`` (a lazy
     module subclass) is a graph break ("Bad import result"): two per compiled step on the H200

@@ -649,9 +649,11 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
         return "a functorch transform (torch.func.grad / vmap) is active"
     if not torch.compiler.is_compiling() and _errors.cuda_graph_capturing(logits.hidden.device):
         return "a CUDA graph is being captured (the fused loss reads its labels on the host)"
-    if forward_ad_open() and forward_ad_dual(logits.hidden, weight,
-                                             getattr(logits.head, "bias", None)):
-        return "forward-mode AD (a dual tensor) reaches its lm_head"
+    if forward_ad_open() and forward_ad_dual(
+            logits.hidden, n, logits.scale, *logits.head.parameters(), *logits.head.buffers()):
+        # every tensor of the head module (a parametrization's original, LoRA's A and B),
+        # read without evaluating a parametrization
+        return "forward-mode AD (a dual tensor) reaches its loss"
     return None
 
 

@@ -326,14 +326,16 @@ def _plain_linear(module: nn.Module, name: str, owners=None, check_only: bool = 
     _check_no_hooks(module, name, owners)
     # A parametrized weight (torch.nn.utils.parametrize) is computed on every read, and some
     # parametrizations update state when read in training (spectral_norm's power iteration):
-    # the stock call reads it once, so only the read the loss uses may evaluate it.
+    # the stock call reads it once, so only the read the loss uses may evaluate it (the bias
+    # too: F.linear reads weight, then bias).
     weight = _unevaluated(module, "weight") if check_only else module.weight
     if weight is not None and weight.device.type == "meta":
         raise UnsupportedModelError(
             f"{name}.weight is on the meta device (offloaded by a device_map?); the fused loss "
             f"needs the materialised weight. {_ESCAPE}"
         )
-    for pname, tensor in (("weight", weight), ("bias", getattr(module, "bias", None))):
+    bias = _unevaluated(module, "bias") if check_only else getattr(module, "bias", None)
+    for pname, tensor in (("weight", weight), ("bias", bias)):
         custom = custom_torch_function(tensor)
         if custom:
             raise UnsupportedModelError(
@@ -343,7 +345,7 @@ def _plain_linear(module: nn.Module, name: str, owners=None, check_only: bool = 
             )
     if check_only:
         return None, None
-    return weight, module.bias
+    return weight, bias
 
 
 _TENSOR_TORCH_FUNCTION = torch.Tensor.__torch_function__.__func__
@@ -797,7 +799,7 @@ def fused_head_lse(
         why = f"a {type(head).__qualname__}"
     elif owners or tp_head_layout(head, name) is not None:
         why = "sharded or gathered by a wrapper"
-    elif parametrized(head):
+    elif parametrized(head) or parametrized(head, "bias"):
         why = "parametrized"
     elif type(weight).__name__ == "DTensor" or weight.device != hidden.device:
         why = f"on {weight.device}, the hidden states on {hidden.device}"

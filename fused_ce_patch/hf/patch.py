@@ -384,7 +384,8 @@ def apply_fused_ce(
         return_logits: keep the stock path everywhere (real logits; no memory saving) while
             still computing that loss with the chunked logits loss.
             ``$FUSED_CE_RETURN_LOGITS=1`` does the same for every patched model, read at
-            each call.
+            each eager call (under ``torch.compile``, when the forward is traced: set it
+            before the first compiled call, or ``torch._dynamo.reset()`` after changing it).
 
     Returns:
         ``model`` itself (patched in place). Applying again is a no-op apart from taking the

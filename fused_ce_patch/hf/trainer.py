@@ -321,6 +321,7 @@ class FusedCECallback(TrainerCallback):
 def _refusal(model) -> str | None:
     """Why ``apply_fused_ce`` would refuse ``model`` (a short reason), or None."""
     from ..errors import UnsupportedModelError
+    from .head import check_head
     from .patch import instance_spec, output_embeddings, prove_instance
 
     target = unwrap_causal_lm(model)
@@ -337,7 +338,10 @@ def _refusal(model) -> str | None:
     try:
         # apply_fused_ce's own spec (a transform head's forwards included), so that the proof
         # run here is the one apply_fused_ce then finds in the memo
-        prove_instance(target, instance_spec(target))
+        found = instance_spec(target)
+        prove_instance(target, found)
+        # and its head check (hooks, a Linear subclass, a replaced F.linear, ...)
+        check_head(found.head, "lm_head" if found.path is None else found.path.names[-1])
     except UnsupportedModelError as exc:
         return f"{type(target).__name__} is not supported ({str(exc).split('; ')[0][:300]})"
     return None
