@@ -65,7 +65,8 @@ import torch
 from .. import errors as _errors
 from ..errors import UnsupportedModelError
 from .architectures import CE, DEFER, DONE, LOSS, MATERIALIZE, TRANSFORM, ArchSpec
-from .head import check_head, fp32_output_head, fused_head_lse, head_operands, parametrized
+from .head import (check_head, fp32_output_head, fused_head_lse, head_operands, parametrized,
+                   parametrized_anywhere)
 from .head import fused_head_loss as _head_loss
 from .head_path import resolve
 from .loss_mapping import forward_ad_dual, forward_ad_open, functorch_active, fused_loss_refusal
@@ -333,7 +334,12 @@ class DeferredLogits:
         there), else the hidden states'. For ``labels = labels.to(logits.device)``."""
         if self.real is not None:
             return self.real.device
-        weight = getattr(self.head, "weight", None)
+        if parametrized_anywhere(self.head):
+            # reading the weight would evaluate its parametrization (stock: once, in the
+            # head's call); the stored tensors sit where it computes
+            weight = next(iter(self.head.parameters()), None)
+        else:
+            weight = getattr(self.head, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
             return weight.device
         return self.hidden.device
@@ -407,7 +413,7 @@ def _settle_for_lse(logits) -> None:
     dropout, in eval) keeps the fused loss; the term then calls it again, to the same logits."""
     if isinstance(logits, DeferredLogits) and logits.real is None:
         head = logits.head
-        if isinstance(head, torch.nn.Linear) and not parametrized(head):
+        if isinstance(head, torch.nn.Linear) and not parametrized_anywhere(head):
             return  # read directly by the fused log-sum-exp: no second head call
         if _draws_at_call(head):
             materialize(logits, f"an extra loss term takes the log-sum-exp of its logits, "
@@ -529,6 +535,10 @@ def _operand(kind: str, value):
             if kind == "softcap":
                 return None, "its final-logit softcap requires grad"
             return value.reshape(()), None
+        if forward_ad_open() and forward_ad_dual(value):  # .item() would drop its tangent
+            return None, f"forward-mode AD (a dual tensor) reaches its logit {kind} operand"
+        if not torch.compiler.is_compiling() and _errors.cuda_graph_capturing(value.device):
+            return None, "a CUDA graph is being captured (its logit operand is read on the host)"
         value = value.item()
     try:
         value = float(value)
@@ -625,8 +635,10 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
     if logits.softcap is not None and torch.tanh is not torch._C._VariableFunctions.tanh:
         return "torch.tanh (its final-logit softcap) was replaced process-wide"
     # A parametrized weight is evaluated once, by the loss (hf/head.py); its stored tensor may
-    # have another shape or dtype, so these checks are left to the loss then.
-    weight = getattr(logits.head, "weight", None) if not parametrized(logits.head) else None
+    # have another shape or dtype, so these checks are left to the loss then (also for one
+    # inside the head, a LoRA layer's base layer, whose ``weight`` property would evaluate it).
+    computed = parametrized_anywhere(logits.head)
+    weight = getattr(logits.head, "weight", None) if not computed else None
     if vocab_size is not None and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
             and type(weight).__name__ != "DTensor" and int(vocab_size) != weight.shape[0]:
         return f"vocab_size {vocab_size} is not its lm_head's {weight.shape[0]} rows"
@@ -650,9 +662,12 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
     if not torch.compiler.is_compiling() and _errors.cuda_graph_capturing(logits.hidden.device):
         return "a CUDA graph is being captured (the fused loss reads its labels on the host)"
     if forward_ad_open() and forward_ad_dual(
-            logits.hidden, n, logits.scale, *logits.head.parameters(), *logits.head.buffers()):
-        # every tensor of the head module (a parametrization's original, LoRA's A and B),
-        # read without evaluating a parametrization
+            logits.hidden, n, logits.scale, weight,
+            getattr(logits.head, "bias", None) if not computed else None,
+            *logits.head.parameters(), *logits.head.buffers()):
+        # the weight and bias as read (also plain attributes: the forward-AD tutorial's
+        # setattr of a dual) and every tensor of the head module (a parametrization's
+        # original, LoRA's A and B), without evaluating a parametrization
         return "forward-mode AD (a dual tensor) reaches its loss"
     return None
 

@@ -424,6 +424,17 @@ def parametrized(module: nn.Module, pname: str = "weight") -> bool:
     return parametrizations is not None and pname in parametrizations
 
 
+def parametrized_anywhere(module: nn.Module) -> bool:
+    """Whether a ``torch.nn.utils.parametrize`` parametrization computes some tensor of
+    ``module`` or of a module inside it (a LoRA layer's base layer): reading ``module.weight``
+    or ``module.bias`` may then evaluate it, which stock does once per call, in the head's
+    ``F.linear``, so only the loss's own read may."""
+    for m in module.modules():
+        if not _module_lacks(m, "parametrizations") and getattr(m, "parametrizations", None):
+            return True
+    return False
+
+
 _MODULE_GETATTR = nn.Module.__getattr__
 _GENERIC_GETATTRIBUTE = object.__getattribute__
 _MODULE_STORES = ("_parameters", "_buffers", "_modules")
@@ -799,7 +810,7 @@ def fused_head_lse(
         why = f"a {type(head).__qualname__}"
     elif owners or tp_head_layout(head, name) is not None:
         why = "sharded or gathered by a wrapper"
-    elif parametrized(head) or parametrized(head, "bias"):
+    elif parametrized_anywhere(head):
         why = "parametrized"
     elif type(weight).__name__ == "DTensor" or weight.device != hidden.device:
         why = f"on {weight.device}, the hidden states on {hidden.device}"

@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad as _forward_ad
 
-from ..errors import LabelOutOfRangeError, cuda_graph_capturing, raise_if_double_backward
+from .. import errors as _errors
+from ..errors import LabelOutOfRangeError, raise_if_double_backward
 
 #: Bytes of float32 logits one chunk may hold in :func:`chunked_causal_lm_loss`.
 CHUNK_BYTES = 64 * 2**20
@@ -151,7 +152,7 @@ def chunked_causal_lm_loss(
     # Under Dynamo, stock's own loss: the label check's host read below would break the graph
     # (Inductor fuses stock's cross-entropy anyway); during a CUDA graph capture CUDA refuses it.
     if not _chunkable(logits, target, vocab_size, ignore_index) or functorch_active() \
-            or torch.compiler.is_compiling() or cuda_graph_capturing(logits.device) \
+            or torch.compiler.is_compiling() or _errors.cuda_graph_capturing(logits.device) \
             or forward_ad_dual(logits):
         return _stock_loss()(
             logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,

@@ -48,6 +48,7 @@ import weakref
 
 import torch
 
+from .. import errors as _errors
 from ..tile_policy import TRL_CHUNKED_NLL, TRL_LOGPROB, ReplacedTiling
 from ..token_stats import ForwardGradHint, fused_linear_token_stats
 
@@ -145,7 +146,8 @@ class _RoutedChunkedLogProb:
                 final_logit_softcapping, logit_scale)
         if outputs is None:  # TRL's default asks for every field
             outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-        if options is None:
+        if options is None or _errors.cuda_graph_capturing(hidden.device):
+            # (while a CUDA graph is captured: TRL's kernel, without our host label read)
             return self.original.apply(*args, outputs)
         unusual = _unusual(final_logit_softcapping, logit_scale, temperature)
         if unusual is not None:
@@ -205,8 +207,9 @@ def _make_routed_chunked_ce(original):
                lm_head_bias=None):
         found = _patched_owner(lm_head_weight)
         options = None if found is None else found[1]
-        if options is not None and _unusual(final_logit_softcapping, logit_scale) is not None:
-            options = None  # TRL's own function computes with these operands
+        if options is not None and (_unusual(final_logit_softcapping, logit_scale) is not None
+                                    or _errors.cuda_graph_capturing(hidden_states.device)):
+            options = None  # TRL's own function computes with these operands / in a capture
         if options is None:
             return original(hidden_states, lm_head_weight, chunk_size, labels=labels,
                             shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
@@ -320,6 +323,8 @@ def _divergence_refusal(student_hidden_states, teacher_hidden_states, student_lm
     if dtensor is not None and any(isinstance(t, dtensor) for t in (
             student_lm_head_weight, teacher_lm_head_weight)):
         return "a DTensor lm_head (FSDP2)"
+    if _errors.cuda_graph_capturing(student_hidden_states.device):
+        return "a CUDA graph being captured (fused_linear_jsd reads counts on the host)"
     for side, cap, scale in (("student", student_final_logit_softcapping, student_logit_scale),
                              ("teacher", teacher_final_logit_softcapping, teacher_logit_scale)):
         unusual = _unusual(cap, scale, temperature)

@@ -24,7 +24,6 @@ CAPTURE = "CUDA graph is being captured"
 
 def _capture(monkeypatch):
     monkeypatch.setattr(errors, "cuda_graph_capturing", lambda device: True)
-    monkeypatch.setattr(loss_mapping, "cuda_graph_capturing", lambda device: True)
 
 
 @pytest.fixture
