@@ -664,13 +664,20 @@ def _loss_refusal(logits: DeferredLogits, labels, shift_labels, vocab_size,
     if forward_ad_open() and forward_ad_dual(
             logits.hidden, n, logits.scale, weight,
             getattr(logits.head, "bias", None) if not computed else None,
-            *logits.head.parameters(), *logits.head.buffers()):
-        # the weight and bias as read (also plain attributes: the forward-AD tutorial's
-        # setattr of a dual) and every tensor of the head module (a parametrization's
-        # original, LoRA's A and B), without evaluating a parametrization
+            *_stored_tensors(logits.head)):
         return "forward-mode AD (a dual tensor) reaches its loss"
     return None
 
+
+
+def _stored_tensors(head):
+    """Every tensor the head module and its submodules hold (parameters, buffers, and plain
+    tensor attributes: the forward-AD tutorial's ``setattr`` of a dual), read without running a
+    parametrization: what a forward-mode tangent could reach the loss through."""
+    for m in head.modules():
+        yield from m._parameters.values()
+        yield from m._buffers.values()
+        yield from (v for v in vars(m).values() if isinstance(v, torch.Tensor))
 
 
 def _loss(model, *args, **kwargs):
@@ -862,7 +869,9 @@ def fused_head_loss(
 
     Raises:
         ValueError: neither labels nor shift_labels; labels that do not match the kept hidden
-            states; ``vocab_size`` other than the head's rows; a label outside ``[0, V)``.
+            states; ``vocab_size`` other than the head's rows that divides ``N * rows``
+            (stock's batch-size mismatch); a label outside ``[0, V)``.
+        RuntimeError: ``vocab_size`` that does not divide ``N * rows`` (stock's ``.view``).
         TypeError: labels or shift_labels not a tensor (a list, a numpy array), as stock.
     """
     hidden = logits.hidden
@@ -909,7 +918,14 @@ def fused_head_loss(
         backend=options.backend,
     )
     if vocab_size is not None and int(vocab_size) != vocab:
-        raise ValueError(f"fused_ce_patch: vocab_size {vocab_size} != lm_head rows {vocab}")
+        # (reached where _loss_refusal could not read the rows: a parametrized or sharded
+        # head) stock's errors: ForCausalLMLoss's logits.view(-1, V), then cross_entropy
+        numel = h.shape[:-1].numel() * vocab
+        if numel % int(vocab_size):
+            raise RuntimeError(f"shape '[-1, {int(vocab_size)}]' is invalid for input of size "
+                               f"{numel}")
+        raise ValueError(f"Expected input batch_size ({numel // int(vocab_size)}) to match "
+                         f"target batch_size ({target.numel()}).")
     if loss.dtype != torch.float32:
         # ForCausalLMLoss computes from logits.float(): a float32 loss for every model dtype
         # (float64 included; the fused loss kept float64 arithmetic, rounded here)

@@ -746,8 +746,8 @@ def _lora(head, name, hidden, check_only, owners):
     out = _resolve(base, f"{name}.base_layer", hidden, check_only, owners)
     for adapter in active:  # lora_A is called below (its own hooks run); lora_B is read
         _check_no_hooks(head.lora_B[adapter], f"{name}.lora_B[{adapter!r}]", owners)
-        for pname in ("weight", "bias"):
-            custom = custom_torch_function(getattr(head.lora_B[adapter], pname, None))
+        for pname in ("weight", "bias"):  # stored tensors: a parametrization runs once, below
+            custom = custom_torch_function(_unevaluated(head.lora_B[adapter], pname))
             if custom:
                 raise UnsupportedModelError(
                     f"{name}.lora_B[{adapter!r}].{pname} is a {custom} with its own "

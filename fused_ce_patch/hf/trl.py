@@ -85,6 +85,7 @@ def _patched_owner(weight):
     None."""
     from . import registry
     from .forward import STATE_ATTR
+    from .head import parametrized_anywhere
 
     for model in list(registry.PATCHED_INSTANCES):
         state = model.__dict__.get(STATE_ATTR)
@@ -94,7 +95,12 @@ def _patched_owner(weight):
             head = model.get_output_embeddings()
         except Exception:  # noqa: BLE001 - a model without a head is simply not ours
             continue
-        if head is not None and getattr(head, "weight", None) is weight:
+        if head is None or parametrized_anywhere(head):
+            # reading a parametrized weight evaluates it (and may update its state, e.g.
+            # spectral_norm's power iteration), which only the model's own call may do; the
+            # tensor TRL passes is then another evaluation, never this model's weight by identity
+            continue
+        if getattr(head, "weight", None) is weight:
             from .head import custom_torch_function
 
             if custom_torch_function(weight):  # fake-quant / QAT weight: TRL's kernel, as stock
