@@ -15,7 +15,7 @@ import torch
 
 from .backends.distill_chunked import BACKENDS, DivergenceSpec, run_divergence
 from .errors import raise_if_capturing
-from .loss import NUM_ITEMS_GRAD_MESSAGE
+from .loss import NUM_ITEMS_GRAD_MESSAGE, _autocast
 
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -101,7 +101,7 @@ def fused_linear_jsd(
         matmuls take the inputs' dtype with float32 results.
 
     Raises:
-        ValueError: vocabulary sizes differ; hidden size and weight columns differ; leading
+        ValueError: vocabulary sizes differ or are 0; hidden size and weight columns differ; leading
             shapes differ; labels shape mismatch; beta outside [0, 1]; temperature <= 0;
             unknown reduction; a bad budget or softcap; a ``num_items_in_batch`` tensor
             that requires grad (it would get no gradient).
@@ -110,6 +110,10 @@ def fused_linear_jsd(
             non-integer labels.
         RuntimeError: called while a CUDA graph is being captured (it reads counts on the
             host).
+
+    Under autocast, each model's hidden states, weight and bias are cast to the autocast
+    dtype as its ``lm_head`` call would be (float64 stays), and the loss is then computed with
+    autocast off: float32 accumulation, as without it.
 
     Source: Agarwal et al., "On-Policy Distillation of Language Models: Learning from
     Self-Generated Mistakes" (ICLR 2024), Eq. 1; TRL 1.16 ``generalized_jsd_loss`` for the
@@ -127,9 +131,17 @@ def fused_linear_jsd(
         raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(REDUCTIONS)}")
+    if isinstance(student_hidden, torch.Tensor) and isinstance(teacher_hidden, torch.Tensor):
+        # each model's operands as its lm_head call would take them under autocast
+        student_hidden, student_weight, student_bias = _autocast(
+            student_hidden, student_weight, student_bias)
+        teacher_hidden, teacher_weight, teacher_bias = _autocast(
+            teacher_hidden, teacher_weight, teacher_bias)
     _check_model("student", student_hidden, student_weight, student_bias)
     _check_model("teacher", teacher_hidden, teacher_weight, teacher_bias)
     raise_if_capturing(student_hidden.device, "fused_linear_jsd")  # it reads counts on the host
+    if student_weight.shape[0] == 0:
+        raise ValueError("student_weight has 0 rows: the vocabulary is empty")
     if student_weight.shape[0] != teacher_weight.shape[0]:
         raise ValueError(
             f"student and teacher vocabulary sizes differ: student_weight has "
@@ -174,7 +186,9 @@ def fused_linear_jsd(
     if per_row:
         scale = 1.0
     elif num_items_in_batch is not None:
-        scale = _reciprocal(num_items_in_batch, device)
+        wide = torch.float64 in (student_weight.dtype, teacher_weight.dtype)
+        scale = _reciprocal(num_items_in_batch, device,
+                            torch.float64 if wide else torch.float32)
     elif reduction == "batchmean":
         scale = 1.0 / (max(n_valid, 1) if labels is not None else max(student_hidden.shape[0], 1))
     elif reduction == "sum":
@@ -182,26 +196,27 @@ def fused_linear_jsd(
     else:  # mean over TRL's [counted positions, V] elements: 0/0 = NaN when none is counted
         count = n_valid * student_weight.shape[0]
         scale = 1.0 / count if count else math.nan
-    d, entropy = run_divergence(
-        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-        teacher_bias, valid_rows, n_valid, spec, per_row, return_student_entropy,
-        logits_budget, backend, scale)
+    with torch.autocast(device.type, enabled=False):  # float32 products, as documented
+        d, entropy = run_divergence(
+            student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+            teacher_bias, valid_rows, n_valid, spec, per_row, return_student_entropy,
+            logits_budget, backend, scale)
     loss = d.view(lead) if per_row else d
     if return_student_entropy:
         return loss, entropy.view(lead)
     return loss
 
 
-def _reciprocal(num_items, device):
-    """``1 / num_items_in_batch``: a Python float, or a 0-d float32 tensor on ``device`` (a
-    tensor's value is not read on the host)."""
+def _reciprocal(num_items, device, dtype=torch.float32):
+    """``1 / num_items_in_batch``: a Python float, or a 0-d ``dtype`` tensor on ``device`` (a
+    tensor's value is not read on the host; float64 for a float64 loss)."""
     if isinstance(num_items, torch.Tensor):
         if num_items.numel() != 1:
             raise ValueError(f"num_items_in_batch must have one element, got shape "
                              f"{tuple(num_items.shape)}")
         if num_items.requires_grad and torch.is_grad_enabled():
             raise ValueError(NUM_ITEMS_GRAD_MESSAGE)
-        return 1.0 / num_items.to(device=device, dtype=torch.float32).reshape(())
+        return 1.0 / num_items.to(device=device, dtype=dtype).reshape(())
     v = _number("num_items_in_batch", num_items)
     return 1.0 / v if v else math.inf
 

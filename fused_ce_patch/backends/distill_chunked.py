@@ -100,7 +100,10 @@ def _transform_(x: torch.Tensor, scale: float, softcap: float | None, inv_t: flo
 
 
 def _log_softmax_(z: torch.Tensor) -> torch.Tensor:
-    return z.sub_(torch.logsumexp(z, dim=1, keepdim=True))
+    # (z - max) - log(sum exp(z - max)), not z - LSE: a common offset of the logits cancels
+    # exactly in the first difference, where LSE would be rounded at the offset's magnitude
+    z.sub_(z.amax(dim=1, keepdim=True))
+    return z.sub_(z.exp().sum(dim=1, keepdim=True).log_())
 
 
 def divergence_rows_(xs, xt, spec: DivergenceSpec, need_s: bool, need_t: bool,

@@ -299,12 +299,12 @@ def _make_routed_divergence(original):
         t_dtype = _compute_dtype(teacher_hidden_states)
         valid = completion_mask != 0
         labels = torch.where(valid, 0, -100).to(torch.int64)
-        loss, entropy = distill.fused_linear_jsd(
+        total, entropy = distill.fused_linear_jsd(
             student_hidden_states.to(s_dtype), student_lm_head_weight.to(s_dtype),
             teacher_hidden_states.detach().to(t_dtype),
             teacher_lm_head_weight.detach().to(t_dtype), labels,
-            beta=float(beta), temperature=float(temperature),
-            num_items_in_batch=num_items_in_batch, student_bias=student_lm_head_bias,
+            beta=float(beta), temperature=float(temperature), reduction="sum",
+            student_bias=student_lm_head_bias,
             teacher_bias=None if teacher_lm_head_bias is None else teacher_lm_head_bias.detach(),
             student_logit_scale=float(student_logit_scale),
             teacher_logit_scale=float(teacher_logit_scale),
@@ -312,7 +312,18 @@ def _make_routed_divergence(original):
             teacher_softcap=teacher_final_logit_softcapping,
             logits_budget=options.logits_budget,
             backend=_JSD_BACKEND.get(options.backend, "auto"), return_student_entropy=True)
-        return loss, entropy.sum(), valid.sum()
+        # TRL's own reduction, dtypes and shapes included: its float32 per-token sums, then
+        # / n_valid.clamp(min=1), or / num_items_in_batch as given (a tensor's dtype and shape
+        # take part in the division)
+        n_valid = valid.sum()
+        total = total.float()
+        if num_items_in_batch is None:
+            loss = total / n_valid.clamp(min=1)
+        else:
+            if isinstance(num_items_in_batch, torch.Tensor):
+                num_items_in_batch = num_items_in_batch.to(total.device)
+            loss = total / num_items_in_batch
+        return loss, entropy.float().sum(), n_valid
 
     routed.__wrapped__ = original
     return routed
@@ -331,6 +342,8 @@ def _divergence_refusal(student_hidden_states, teacher_hidden_states, student_lm
         return "a DTensor lm_head (FSDP2)"
     if _errors.cuda_graph_capturing(student_hidden_states.device):
         return "a CUDA graph being captured (fused_linear_jsd reads counts on the host)"
+    if student_hidden_states.dim() not in (2, 3):
+        return f"hidden states of {student_hidden_states.dim()} dimensions"
     for side, cap, scale in (("student", student_final_logit_softcapping, student_logit_scale),
                              ("teacher", teacher_final_logit_softcapping, teacher_logit_scale)):
         unusual = _unusual(cap, scale, temperature)

@@ -77,8 +77,9 @@ def _divergence_rows_kernel(
         st = st * tl.exp(mt - nt) + tl.where(mask, tl.exp(zt - nt), 0.0)
         ms, mt = ns, nt
     row_ms, row_mt = tl.max(ms, 0), tl.max(mt, 0)
-    lse_s = row_ms + tl.log(tl.sum(ss * tl.exp(ms - row_ms), 0))
-    lse_t = row_mt + tl.log(tl.sum(st * tl.exp(mt - row_mt), 0))
+    # log p = (z - max) - log(sum): a common offset cancels before any rounding at its size
+    log_ss = tl.log(tl.sum(ss * tl.exp(ms - row_ms), 0))
+    log_st = tl.log(tl.sum(st * tl.exp(mt - row_mt), 0))
 
     # pass 2: the divergence (MODE 2: both KLs to the mixture) and the entropy
     acc_a = tl.zeros([BLOCK], tl.float32)  # MODE 0/1: D; MODE 2: KL(ps || m)
@@ -91,7 +92,7 @@ def _divergence_rows_kernel(
                    inv_t, S_SOFTCAP)
         zt, _ = _z(tl.load(xt_row + offs, mask=mask, other=0.0), t_scale, t_inv_cap, t_cap,
                    inv_t, T_SOFTCAP)
-        ls, lt = zs - lse_s, zt - lse_t
+        ls, lt = (zs - row_ms) - log_ss, (zt - row_mt) - log_st
         ps = tl.where(mask, tl.exp(ls), 0.0)
         pt = tl.where(mask, tl.exp(lt), 0.0)
         if WANT_ENT:
@@ -131,7 +132,7 @@ def _divergence_rows_kernel(
                              s_cap, inv_t, S_SOFTCAP)
             zt, slope_t = _z(tl.load(xt_row + offs, mask=mask, other=0.0), t_scale, t_inv_cap,
                              t_cap, inv_t, T_SOFTCAP)
-            ls, lt = zs - lse_s, zt - lse_t
+            ls, lt = (zs - row_ms) - log_ss, (zt - row_mt) - log_st
             ps, pt = tl.exp(ls), tl.exp(lt)
             if MODE == 0:
                 dzs = ps - pt
