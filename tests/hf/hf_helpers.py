@@ -205,3 +205,28 @@ def compare_with_stock(model, ref, kw, fused, spy):
     want.loss.backward()
     assert_grads_close(model, ref)
     return got, want
+
+
+class CountingParametrization(torch.nn.Module):
+    """A ``torch.nn.utils.parametrize`` parametrization that returns its input and counts its
+    evaluations in ``n`` (stock evaluates a head's parametrization once per call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def forward(self, x):
+        self.n += 1
+        return x
+
+
+class DropoutParametrization(torch.nn.Module):
+    """A parametrization that draws dropout at each evaluation (a random one: a second
+    evaluation gives another tensor, so another loss)."""
+
+    def __init__(self, p: float = 0.3):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(x, self.p, training=True)

@@ -1,7 +1,8 @@
-"""Patched models during a (stand-in) CUDA graph capture step aside to stock with stock's
-loss: the CrossEntropyLoss form (Bart), Bamba's z-loss, Gemma2's softcap, PEFT LoRA,
+"""Patched models during a (stand-in) CUDA graph capture step aside to stock with stock's loss: the
+CrossEntropyLoss form (Bart), Bamba's z-loss, Gemma2's softcap, PEFT LoRA,
 AutoFusedCEForCausalLM; without a capture they fuse. A 0-d tensor logit-scale operand is not
-read on the host during a capture (stock's ``logits * scale`` does not read it either). Found or checked by an adversarial pass (2026-12-05).
+read on the host during a capture (stock's ``logits * scale`` does not read it either). Found or
+checked by an adversarial pass (2026-12-05).
 """
 
 from __future__ import annotations

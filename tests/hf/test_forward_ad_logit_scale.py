@@ -1,7 +1,8 @@
-"""Forward-mode AD with the tangent on a logit-scale operand (Cohere's
-``logits = logits * self.logit_scale``, here a learnable 0-d Parameter, the tangent put on it
-with ``torch.func.functional_call``): the patched forward steps aside to stock, so the JVP
-includes d loss / d scale (``.item()`` of the dual dropped it). Found or checked by an adversarial pass (2026-12-05).
+"""Forward-mode AD with the tangent on a logit-scale operand (Cohere's ``logits = logits *
+self.logit_scale``, here a learnable 0-d Parameter, the tangent put on it with
+``torch.func.functional_call``): the patched forward steps aside to stock, so the JVP includes d
+loss / d scale (``.item()`` of the dual dropped it). Found or checked by an adversarial pass
+(2026-12-05).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""Forward-mode AD with the tangent on a LoRA head's ``lora_B`` or ``lora_A`` weight set as a
-plain tensor attribute (the forward-AD tutorial's delattr/setattr): the patched model sees
-the dual among the head's stored tensors, steps aside, and gives stock's JVP. Found by an adversarial pass (2026-12-05)."""
+"""Forward-mode AD with the tangent on a LoRA head's ``lora_B`` or ``lora_A`` weight set as a plain
+tensor attribute (the forward-AD tutorial's delattr/setattr): the patched model sees the dual
+among the head's stored tensors, steps aside, and gives stock's JVP. Found by an adversarial
+pass (2026-12-05).
+"""
 
 import warnings
 

@@ -1,7 +1,8 @@
-"""Forward-mode AD tangents entering through a RoBERTa transform head (dense / layer_norm), a
-tied embedding (Qwen2 tie_word_embeddings, RoBERTa decoder), Gemma2's softcapped logits: each
-gives stock's JVP; a forward-AD level open with no dual anywhere keeps the fused loss and
-stock's loss. Found or checked by an adversarial pass (2026-12-05)."""
+"""Forward-mode AD tangents entering through a RoBERTa transform head (dense / layer_norm), a tied
+embedding (Qwen2 tie_word_embeddings, RoBERTa decoder), Gemma2's softcapped logits: each gives
+stock's JVP; a forward-AD level open with no dual anywhere keeps the fused loss and stock's
+loss. Found or checked by an adversarial pass (2026-12-05).
+"""
 
 from __future__ import annotations
 

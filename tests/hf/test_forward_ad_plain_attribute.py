@@ -1,6 +1,7 @@
 """Forward-mode AD with the tangent on ``lm_head.weight`` or ``.bias`` set as a plain tensor
 attribute, the PyTorch forward-AD tutorial's way (``delattr(m, name); setattr(m, name,
-fwAD.make_dual(p, t))``): the patched model steps aside to stock and gives stock's JVP. Found or checked by an adversarial pass (2026-12-05).
+fwAD.make_dual(p, t))``): the patched model steps aside to stock and gives stock's JVP. Found or
+checked by an adversarial pass (2026-12-05).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""The head bias is read once, in stock's order (weight, then bias), in combinations: weight
-and bias both parametrized on a plain head (counting and random), LoRA over a base with a
-parametrized bias, a bias that is a plain tensor attribute, bias=None. Found or checked by an adversarial pass (2026-12-05)."""
+"""The head bias is read once, in stock's order (weight, then bias), in combinations: weight and
+bias both parametrized on a plain head (counting and random), LoRA over a base with a
+parametrized bias, a bias that is a plain tensor attribute, bias=None. Found or checked by an
+adversarial pass (2026-12-05).
+"""
 
 from __future__ import annotations
 
@@ -8,26 +10,11 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torch.nn.utils.parametrize as P
 
 from fused_ce_patch import apply_fused_ce
 from hf_helpers import batch, build_model, reference_copy
-
-
-class _Count(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def forward(self, b):
-        self.n += 1
-        return b
-
-
-class _Dropout(torch.nn.Module):
-    def forward(self, b):
-        return F.dropout(b, 0.3, training=True)
+from hf_helpers import CountingParametrization as _Count, DropoutParametrization as _Dropout
 
 
 def _pair(bias=True, peft_lora=False):

@@ -1,34 +1,25 @@
 """A torch parametrization on a LoRA head's ``lora_B`` weight is evaluated once per patched
-forward, as in stock PEFT's ``lora_B(...)`` call (the head checks read the stored tensor):
-a counting one counts 1, a random one gives stock's loss. Found by an adversarial pass (2026-12-05)."""
+forward, as in stock PEFT's ``lora_B(...)`` call (the head checks read the stored tensor): a
+counting one counts 1, a random one gives stock's loss. Found by an adversarial pass
+(2026-12-05).
+"""
 
 import copy
 import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torch.nn.utils.parametrize as P
 
 from fused_ce_patch import apply_fused_ce
-from hf_helpers import batch, build_model, reference_copy
+from hf_helpers import CountingParametrization as _Count
+from hf_helpers import DropoutParametrization, batch, build_model, reference_copy
 
 peft = pytest.importorskip("peft")
 
 
-class _Count(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def forward(self, w):
-        self.n += 1
-        return w
-
-
-class _Dropout(torch.nn.Module):
-    def forward(self, w):
-        return F.dropout(w, 0.5, training=True)
+def _Dropout():
+    return DropoutParametrization(0.5)
 
 
 def _pair(parametrization):

@@ -8,26 +8,11 @@ import copy
 import warnings
 
 import torch
-import torch.nn.functional as F
 import torch.nn.utils.parametrize as P
 
 from fused_ce_patch import apply_fused_ce
 from hf_helpers import batch, build_model, reference_copy
-
-
-class _Count(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def forward(self, b):
-        self.n += 1
-        return b
-
-
-class _Dropout(torch.nn.Module):
-    def forward(self, b):
-        return F.dropout(b, 0.3, training=True)
+from hf_helpers import CountingParametrization as _Count, DropoutParametrization as _Dropout
 
 
 def _pair():

@@ -1,8 +1,10 @@
-"""A parametrized lm_head leaves the dtype and vocab_size checks to the loss (reading the
-weight would evaluate the parametrization); the loss then raises stock's exception type for
-a config.vocab_size that is not the head's rows (RuntimeError from ``logits.view(-1, V)``).
-A parametrization that changes the weight's dtype (``unsafe=True``) still raises TypeError
-where stock raises RuntimeError: a strict xfail, docs/limits.md. Found by an adversarial pass (2026-12-05)."""
+"""A parametrized lm_head leaves the dtype and vocab_size checks to the loss (reading the weight
+would evaluate the parametrization); the loss then raises stock's exception type for a
+config.vocab_size that is not the head's rows (RuntimeError from ``logits.view(-1, V)``). A
+parametrization that changes the weight's dtype (``unsafe=True``) still raises TypeError where
+stock raises RuntimeError: a strict xfail, docs/limits.md. Found by an adversarial pass
+(2026-12-05).
+"""
 
 import copy
 import warnings

@@ -1,7 +1,8 @@
-"""A parametrized head weight is evaluated once per forward, as in stock's one head call,
-also where it sits inside the head (a PEFT ``lora.Linear`` whose ``.weight`` property reads
-the base layer's) and where the forward reads ``logits.device`` (the CrossEntropyLoss form's
-``labels.to(logits.device)``, BartForCausalLM): a random parametrization gives stock's loss. Found or checked by an adversarial pass (2026-12-05).
+"""A parametrized head weight is evaluated once per forward, as in stock's one head call, also
+where it sits inside the head (a PEFT ``lora.Linear`` whose ``.weight`` property reads the base
+layer's) and where the forward reads ``logits.device`` (the CrossEntropyLoss form's
+``labels.to(logits.device)``, BartForCausalLM): a random parametrization gives stock's loss.
+Found or checked by an adversarial pass (2026-12-05).
 """
 
 from __future__ import annotations
@@ -11,28 +12,13 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torch.nn.utils.parametrize as P
 import transformers
 
 from fused_ce_patch import apply_fused_ce
 from fused_ce_patch.hf.tiny import tiny_config
 from hf_helpers import batch, build_model, reference_copy
-
-
-class _Count(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def forward(self, w):
-        self.n += 1
-        return w
-
-
-class _Dropout(torch.nn.Module):
-    def forward(self, w):
-        return F.dropout(w, 0.3, training=True)
+from hf_helpers import CountingParametrization as _Count, DropoutParametrization as _Dropout
 
 
 def _loss(model, b):

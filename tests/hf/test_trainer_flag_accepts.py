@@ -1,7 +1,8 @@
-"""The use_fused_ce flag, whose refusal check runs apply_fused_ce's head check, still patches
-PEFT LoRA on lm_head, modules_to_save, a RoBERTa transform head, a tied head, accelerate hooks
-from dispatch_model on CPU; a model with an offloaded (meta) head gets the flag's warning and
-trains stock. Found or checked by an adversarial pass (2026-12-05)."""
+"""The use_fused_ce flag, whose refusal check runs apply_fused_ce's head check, still patches PEFT
+LoRA on lm_head, modules_to_save, a RoBERTa transform head, a tied head, accelerate hooks from
+dispatch_model on CPU; a model with an offloaded (meta) head gets the flag's warning and trains
+stock. Found or checked by an adversarial pass (2026-12-05).
+"""
 
 from __future__ import annotations
 

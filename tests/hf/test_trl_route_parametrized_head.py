@@ -1,7 +1,8 @@
-"""TRL's routed log-prob kernel finds the patched owner of the weight it is given without
-reading a parametrized head's ``weight`` (which would evaluate it, and advance spectral_norm's
-power iteration): a TRL call from another, never-patched model leaves the patched model's
-parametrization and its next loss as stock's. Found by an adversarial pass (2026-12-05)."""
+"""TRL's routed log-prob kernel finds the patched owner of the weight it is given without reading a
+parametrized head's ``weight`` (which would evaluate it, and advance spectral_norm's power
+iteration): a TRL call from another, never-patched model leaves the patched model's
+parametrization and its next loss as stock's. Found by an adversarial pass (2026-12-05).
+"""
 
 import warnings
 
@@ -11,18 +12,9 @@ import torch.nn.utils.parametrize as P
 
 from fused_ce_patch import apply_fused_ce
 from hf_helpers import batch, build_model, reference_copy
+from hf_helpers import CountingParametrization as _Count
 
 trl = pytest.importorskip("trl")
-
-
-class _Count(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def forward(self, w):
-        self.n += 1
-        return w
 
 
 def _trl_call(weight):

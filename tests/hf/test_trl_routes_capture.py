@@ -1,7 +1,7 @@
 """TRL's routed kernels (hf/trl.py: the fused LM head's log-probs, the DistillationTrainer's
-divergence) hand a call made during a (stand-in) CUDA graph capture to TRL's own kernel, as
-for an unpatched model, instead of the fused functions' capture error; without a capture
-they compute as TRL's kernel does. Found or checked by an adversarial pass (2026-12-05).
+divergence) hand a call made during a (stand-in) CUDA graph capture to TRL's own kernel, as for
+an unpatched model, instead of the fused functions' capture error; without a capture they
+compute as TRL's kernel does. Found or checked by an adversarial pass (2026-12-05).
 """
 
 from __future__ import annotations

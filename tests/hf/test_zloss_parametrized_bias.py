@@ -1,6 +1,7 @@
-"""Bamba's z-loss (an extra term reading ``logits.logsumexp(dim=-1)``) with a head whose bias
-is parametrized: the loss and the term see one evaluation of it, as stock's one head call
-(the fused log-sum-exp refuses such a head, so the logits are materialised before the loss). Found or checked by an adversarial pass (2026-12-05).
+"""Bamba's z-loss (an extra term reading ``logits.logsumexp(dim=-1)``) with a head whose bias is
+parametrized: the loss and the term see one evaluation of it, as stock's one head call (the
+fused log-sum-exp refuses such a head, so the logits are materialised before the loss). Found or
+checked by an adversarial pass (2026-12-05).
 """
 
 from __future__ import annotations
@@ -10,27 +11,12 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torch.nn.utils.parametrize as P
 import transformers
 
 from fused_ce_patch import apply_fused_ce
 from fused_ce_patch.hf.tiny import tiny_config
-
-
-class _Count(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def forward(self, b):
-        self.n += 1
-        return b
-
-
-class _Dropout(torch.nn.Module):
-    def forward(self, b):
-        return F.dropout(b, 0.3, training=True)
+from hf_helpers import CountingParametrization as _Count, DropoutParametrization as _Dropout
 
 
 def _pair(parametrization):
