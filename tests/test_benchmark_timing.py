@@ -1,4 +1,5 @@
-"""benchmarks/timing.py (the timer of every benchmark) and the CPU run of cpu_torch_lce.py."""
+"""benchmarks/timing.py (the timer of every benchmark) and the CPU runs of cpu_torch_lce.py and
+gpu_compile_ab.py."""
 
 from __future__ import annotations
 
@@ -87,3 +88,22 @@ def test_cpu_torch_lce_quick(tmp_path):
     assert max(r["loss"] for r in rows) - min(r["loss"] for r in rows) < 1e-4
     assert (tmp_path / "cpu_torch_lce_quick.json").is_file()
     assert (tmp_path / "cpu_torch_lce_quick.png").is_file()
+
+
+@pytest.mark.slow
+def test_gpu_compile_ab_tiny(tmp_path):
+    """The interleaved stock / fused harness runs on the CPU: both modes, both arms, the ratio per
+    block pair, Dynamo's graph breaks counted (none), each arm traced, its JSON written."""
+    bench = _load("gpu_compile_ab")
+    rows = bench.main(["--tiny", "--trace", "--out", str(tmp_path)])
+    assert [r["mode"] for r in rows] == ["compiled", "eager"]
+    for r in rows:
+        assert len(r["stock_blocks"]) == len(r["fused_blocks"]) == 2
+        assert r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"]
+        assert r["stock_ms"] > 0 and r["fused_ms"] > 0
+        assert r["stock_graph_breaks"] == r["fused_graph_breaks"] == 0
+        assert r["stock_peak_gib"] is None  # peaks are read on a GPU only
+        for arm in ("stock", "fused"):
+            t = r["trace"][arm]
+            assert t["step_ms"] > 0 and t["busy_ms"] == t["idle_ms"] == 0.0  # no kernels on a CPU
+    assert (tmp_path / "gpu_compile_ab_smollm2-135m_1x32.json").is_file()
