@@ -147,9 +147,10 @@ def main(argv=None):
 
 
 def trace(torch, step, steps, dev, top=15, min_gap_us=20.0):
-    """``steps`` profiled calls of ``step``: per-step kernel-busy and idle ms (kernel intervals
-    merged, from the first host op to the last kernel's end), the ``top`` kernels by time per
-    step, and the ``top`` longest idle gaps with the host ops overlapping each."""
+    """``steps`` profiled calls of ``step``: per step, the ms in which some kernel runs (kernel
+    intervals merged) and the rest of the traced time (``idle``; from the first host op to the
+    last event's end), the ``top`` kernels by time per step, and the ``top`` longest idle gaps
+    (over ``min_gap_us``) with the host ops overlapping each."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -185,8 +186,7 @@ def trace(torch, step, steps, dev, top=15, min_gap_us=20.0):
         rows.append({"us": e - s, "before": before[:60], "after": after[:60],
                      "host": [f"{hn[:50]} {d:.0f}us" for d, hn in over]})  # fmt: skip
     per = 1e3 * steps
-    return {"step_ms": (end - t0) / per, "busy_ms": busy / per,
-            "idle_ms": sum(e - s for s, e, _, _ in gaps) / per,
+    return {"step_ms": (end - t0) / per, "busy_ms": busy / per, "idle_ms": (end - t0 - busy) / per,
             "kernels": sorted(((n[:110], t / per) for n, t in kernels.items()),
                               key=lambda k: -k[1])[:top],
             "gaps": rows}
@@ -195,7 +195,7 @@ def trace(torch, step, steps, dev, top=15, min_gap_us=20.0):
 def print_trace(mode, traced):
     for arm, t in traced.items():
         print(f"\n{mode} {arm}: traced step {t['step_ms']:.2f} ms, kernels busy "
-              f"{t['busy_ms']:.2f} ms, idle gaps {t['idle_ms']:.2f} ms per step")
+              f"{t['busy_ms']:.2f} ms, idle {t['idle_ms']:.2f} ms per step")
         for name, ms in t["kernels"]:
             print(f"  {ms:8.3f} ms  {name}")
         for g in t["gaps"][:8]:
