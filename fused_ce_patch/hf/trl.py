@@ -205,6 +205,16 @@ def _f32(x):
     return None if x is None else x.float()
 
 
+def _trl_division(total, n_valid, num_items_in_batch):
+    """TRL's own mean of a summed loss: ``total / n_valid.clamp(min=1)``, or ``/
+    num_items_in_batch`` as given (a tensor's dtype and shape take part in the division)."""
+    if num_items_in_batch is None:
+        return total / n_valid.clamp(min=1)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
 def _make_routed_chunked_ce(original):
     """Stands in for trl 1.6-1.14 ``sft_trainer._chunked_cross_entropy_loss``."""
 
@@ -237,13 +247,7 @@ def _make_routed_chunked_ce(original):
             grad_hint=_grad_hint(found[0]), replaces=_chunked_nll_tiling(chunk_size),
         )
         n_valid = stats.mask.sum()
-        total = -stats.log_probs.sum()
-        if num_items_in_batch is None:
-            loss = total / n_valid.clamp(min=1)
-        else:
-            if isinstance(num_items_in_batch, torch.Tensor):
-                num_items_in_batch = num_items_in_batch.to(total.device)
-            loss = total / num_items_in_batch
+        loss = _trl_division(-stats.log_probs.sum(), n_valid, num_items_in_batch)
         correct = stats.is_top1.sum().float()
         entropy_sum = stats.entropy.detach().sum().float()
         return loss.float(), correct, entropy_sum, n_valid
@@ -313,16 +317,9 @@ def _make_routed_divergence(original):
             logits_budget=options.logits_budget,
             backend=_JSD_BACKEND.get(options.backend, "auto"), return_student_entropy=True)
         # TRL's own reduction, dtypes and shapes included: its float32 per-token sums, then
-        # / n_valid.clamp(min=1), or / num_items_in_batch as given (a tensor's dtype and shape
-        # take part in the division)
+        # TRL's division
         n_valid = valid.sum()
-        total = total.float()
-        if num_items_in_batch is None:
-            loss = total / n_valid.clamp(min=1)
-        else:
-            if isinstance(num_items_in_batch, torch.Tensor):
-                num_items_in_batch = num_items_in_batch.to(total.device)
-            loss = total / num_items_in_batch
+        loss = _trl_division(total.float(), n_valid, num_items_in_batch)
         return loss, entropy.float().sum(), n_valid
 
     routed.__wrapped__ = original

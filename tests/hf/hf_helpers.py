@@ -103,6 +103,15 @@ def batch(batch_size=2, seq=16, seed=1, pad_row=True):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def short_batch(vocab: int):
+    """2 x 10 token ids from ``[4, vocab)`` (seeded), the first row's first 3 labels ignored."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, vocab, (2, 10), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
 def shifted(labels: torch.Tensor) -> torch.Tensor:
     pad = labels.new_full((labels.shape[0], 1), -100)
     return torch.cat([labels[:, 1:], pad], dim=1)

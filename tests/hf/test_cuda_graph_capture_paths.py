@@ -19,19 +19,11 @@ from fused_ce_patch import apply_fused_ce, errors
 from fused_ce_patch import loss as fused_loss
 from fused_ce_patch.hf import loss_mapping
 from fused_ce_patch.hf.tiny import tiny_config
-from hf_helpers import build_model, reference_copy
+from hf_helpers import build_model, reference_copy, short_batch as _batch
 
 
 def _capture(monkeypatch):
     monkeypatch.setattr(errors, "cuda_graph_capturing", lambda device: True)
-
-
-def _batch(vocab):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(4, vocab, (2, 10), generator=g)
-    labels = ids.clone()
-    labels[0, :3] = -100
-    return {"input_ids": ids, "labels": labels}
 
 
 def _tiny(model_type, cls, **overrides):

@@ -19,14 +19,7 @@ from torch.func import functional_call
 from fused_ce_patch import apply_fused_ce
 from fused_ce_patch.hf import loss_mapping
 from fused_ce_patch.hf.tiny import tiny_config
-
-
-def _batch(vocab):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(4, vocab, (2, 10), generator=g)
-    labels = ids.clone()
-    labels[0, :3] = -100
-    return {"input_ids": ids, "labels": labels}
+from hf_helpers import short_batch as _batch
 
 
 def _jvp(model, b):

@@ -17,6 +17,7 @@ import transformers
 from fused_ce_patch import apply_fused_ce
 from fused_ce_patch.hf.tiny import tiny_config
 from hf_helpers import CountingParametrization as _Count, DropoutParametrization as _Dropout
+from hf_helpers import short_batch as _batch
 
 
 def _pair(parametrization):
@@ -34,14 +35,6 @@ def _pair(parametrization):
     for m in (model, stock):
         P.register_parametrization(m.lm_head, "bias", copy.deepcopy(parametrization))
     return model, stock
-
-
-def _batch(vocab):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(4, vocab, (2, 10), generator=g)
-    labels = ids.clone()
-    labels[0, :3] = -100
-    return {"input_ids": ids, "labels": labels}
 
 
 def _loss(model, batch):
