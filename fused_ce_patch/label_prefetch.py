@@ -66,8 +66,9 @@ def _version(t: Tensor) -> int:
 def device_stats(labels: Tensor, ignore_index: int, num_items: Tensor | None = None) -> Tensor:
     """``[lo, hi, count(, num_items bits)]`` of flat int64 ``labels`` on their device, int64.
 
-    ``lo``/``hi``: smallest and largest label other than ``ignore_index`` (0 where none
-    counts); ``count``: how many those are; ``num_items`` (a 0-d float32 tensor on the
+    ``lo``/``hi``: smallest and largest label, each ``ignore_index`` read as 0 (always in
+    range, so the range check is that of the counted labels); ``count``: how many labels are
+    not ``ignore_index``; ``num_items`` (a 0-d float32 tensor on the
     labels' device) rides along as its float32 bit pattern. No host synchronisation.
     """
     counted = labels != ignore_index
@@ -94,16 +95,16 @@ def _compute(labels: Tensor, ignore_index: int, shift: bool, num_items: Tensor |
     counted_labels = labels[..., 1:] if shift else labels  # the shifted-in pad never counts
     stats = device_stats(counted_labels.reshape(-1), ignore_index, items)
     seq = next(_SEQS)
-    host[_SEQ:] = torch.tensor([
+    host.numpy()[_SEQ:] = (  # host memory: written through NumPy, no torch op per call
         seq, ignore_index, int(shift), _layout(labels), labels.data_ptr(), _version(labels),
         num_items.data_ptr() if items is not None else _NO_ITEMS,
         _version(num_items) if items is not None else _NO_ITEMS,
-    ])
+    )
     event = None
     if labels.device.type == "cuda":
         host[: stats.shape[0]].copy_(stats, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(labels.device))  # the copy's stream
     else:
         host[: stats.shape[0]].copy_(stats)  # a host or other device: the copy itself waits
     with _LOCK:
@@ -134,9 +135,9 @@ def start(labels, *, ignore_index=-100, shift=True, num_items_in_batch=None) -> 
     if torch.compiler.is_compiling():
         items = num_items_in_batch.detach() if isinstance(num_items_in_batch, Tensor) else None
         return label_stats(labels, ignore_index, bool(shift), items)
-    if errors.cuda_graph_capturing(labels.device) \
+    if errors.cuda_graph_capturing(labels.device) or labels.is_inference() \
             or torch._C._functorch.is_functorch_wrapped_tensor(labels):
-        return None
+        return None  # (inference tensors: no version counter shows a later write)
     return _compute(labels, ignore_index, bool(shift), num_items_in_batch)
 
 
@@ -148,7 +149,7 @@ def take(host, labels: Tensor, ignore_index: int, shift: bool, num_items):
     copy no longer tracked)."""
     if not isinstance(host, Tensor) or host.device.type != "cpu" or host.shape != (_SLOTS,):
         return None
-    meta = host[_SEQ:].tolist()
+    meta = host.numpy()[_SEQ:].tolist()
     seq, ignore, shifted, layout, ptr, version, items_ptr, items_version = meta
     if (ignore != ignore_index or shifted != int(shift) or layout != _layout(labels)
             or ptr != labels.data_ptr() or version != _version(labels)):
@@ -164,7 +165,7 @@ def take(host, labels: Tensor, ignore_index: int, shift: bool, num_items):
         event = _READY[seq]
     if event is not None:
         event.synchronize()
-    lo, hi, count, bits = host[:4].tolist()
+    lo, hi, count, bits = host.numpy()[:4].tolist()
     return lo, hi, count, float32_from_bits(bits) if items_here else None
 
 
