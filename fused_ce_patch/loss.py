@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 
 import torch
 from torch import nn
 from torch.autograd import forward_ad as _forward_ad
 
-from . import backends, errors, label_prefetch
+from . import backends, errors
 from .backends.base import LossSpec, Problem
 from .errors import LabelOutOfRangeError
 from .backends.nonfinite_scale import run_nonfinite_scale
@@ -116,21 +117,6 @@ def fused_linear_cross_entropy(
     the blockwise log-sum-exp; PyTorch ``F.cross_entropy`` and transformers' ``ForCausalLMLoss``
     for the reduction, label smoothing and ``num_items_in_batch`` semantics.
     """
-    return linear_cross_entropy_call(
-        hidden, weight, labels, bias=bias, ignore_index=ignore_index, reduction=reduction,
-        num_items_in_batch=num_items_in_batch, shift=shift, softcap=softcap,
-        label_smoothing=label_smoothing, z_loss=z_loss, logits_budget=logits_budget,
-        backend=backend,
-    )
-
-
-def linear_cross_entropy_call(hidden, weight, labels, *, bias=None, ignore_index=-100,
-                              reduction="mean", num_items_in_batch=None, shift=False,
-                              softcap=None, label_smoothing=0.0, z_loss=0.0, logits_budget=None,
-                              backend="auto", label_stats=None):
-    """:func:`fused_linear_cross_entropy`, and ``label_stats``: what
-    :func:`fused_ce_patch.label_prefetch.start` returned for these labels when the forward
-    started (None: the labels are read here). The patched forwards call this."""
     _check_options(
         reduction, backend, num_items_in_batch, softcap, label_smoothing, z_loss, logits_budget
     )
@@ -143,17 +129,16 @@ def linear_cross_entropy_call(hidden, weight, labels, *, bias=None, ignore_index
             hidden, weight, labels, bias=bias, ignore_index=ignore_index, reduction=reduction,
             num_items_in_batch=num_items_in_batch, shift=shift, softcap=softcap,
             label_smoothing=label_smoothing, z_loss=z_loss, logits_budget=logits_budget,
-            backend=backend, label_stats=label_stats,
+            backend=backend,
         )
     _check_tensors(hidden, weight, labels, bias)
-    known = label_prefetch.take(label_stats, labels, ignore_index, shift, num_items_in_batch)
     if labels.dtype != torch.int64:
         labels = labels.long()
     if shift:
         labels = _shift(labels, ignore_index)
     flat_labels = labels.reshape(-1)
     valid_rows, n_valid, num_items = _check_labels_and_num_items(
-        flat_labels, weight.shape[0], ignore_index, num_items_in_batch, known
+        flat_labels, weight.shape[0], ignore_index, num_items_in_batch
     )
 
     impl = backends.resolve(backend, hidden.device, hidden.dtype)
@@ -473,10 +458,9 @@ def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int):
     return valid_rows, n_valid
 
 
-def _check_labels_and_num_items(labels, vocab: int, ignore_index: int, num_items, known=None):
+def _check_labels_and_num_items(labels, vocab: int, ignore_index: int, num_items):
     """:func:`_check_labels`, and ``num_items_in_batch`` as a Python float (a tensor's value
-    taken in float32, the dtype of the sum it divides). ``known``: the numbers
-    :func:`fused_ce_patch.label_prefetch.take` read for this call (no host read here then).
+    taken in float32, the dtype of the sum it divides).
 
     A ``num_items_in_batch`` tensor on the labels' device joins the labels' one host
     synchronisation: its float32 bits ride along with the int64 label statistics (float64
@@ -494,17 +478,14 @@ def _check_labels_and_num_items(labels, vocab: int, ignore_index: int, num_items
             num_items = items_t.item()
         return labels.new_empty(0), 0, _as_float(num_items)
     counted = labels != ignore_index
-    if known is not None and (items_t is None or known[3] is not None):
-        lo, hi, n_valid = known[:3]  # read when the forward started (label_prefetch)
-        if items_t is not None:
-            num_items = known[3]
-    else:
-        stats = label_prefetch.device_stats(
-            labels, ignore_index, None if items_t is None else items_t.to(labels.device))
-        values = stats.tolist()
-        lo, hi, n_valid = values[:3]
-        if items_t is not None:
-            num_items = label_prefetch.float32_from_bits(values[3])
+    lo, hi = torch.aminmax(torch.where(counted, labels, 0))
+    stats = [lo, hi, counted.sum()]
+    if items_t is not None:
+        stats.append(items_t.to(labels.device).view(torch.int32).to(torch.int64))
+    values = torch.stack(stats).tolist()
+    lo, hi, n_valid = values[:3]
+    if items_t is not None:
+        num_items = struct.unpack("<f", struct.pack("<I", values[3] & 0xFFFFFFFF))[0]
     if lo < 0 or hi >= vocab:
         bad = lo if lo < 0 else hi
         raise LabelOutOfRangeError(

@@ -5,9 +5,7 @@ hands its tensors to one of the ops below instead of running the backend inline.
 Inductor then never trace the validation (one host synchronisation for the label range and
 count), the backends' ``.item()`` or the launcher objects: each op has a fake (meta)
 implementation that gives the outputs' shapes and dtypes, and runs eagerly at run time. There
-is no graph break at the loss. In a patched forward the label read starts at the top of the
-graph (``fused_ce::label_stats``, :mod:`fused_ce_patch.label_prefetch`), and its host tensor
-is the ops' ``label_stats`` input: the op then waits only for that early copy.
+is no graph break at the loss.
 
 - ``fused_ce::linear_cross_entropy_and_grads``, for a scalar loss (``"mean"``/``"sum"``) whose
   gradient is wanted (grad mode on and an input requiring grad, both known when Dynamo traces),
@@ -58,7 +56,7 @@ from torch import Tensor
 from torch.library import custom_op
 
 from .errors import raise_if_double_backward
-from .loss import linear_cross_entropy_call, register_traced_call
+from .loss import fused_linear_cross_entropy, register_traced_call
 
 _NAMESPACE = "fused_ce"
 
@@ -76,14 +74,13 @@ _OP_TAGS = _op_tags()
 
 
 def _eager(hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f, ignore_index,
-           reduction, shift, softcap, label_smoothing, z_loss, logits_budget, backend,
-           label_stats):
+           reduction, shift, softcap, label_smoothing, z_loss, logits_budget, backend):
     num_items = next((n for n in (num_items_t, num_items_i, num_items_f) if n is not None), None)
-    return linear_cross_entropy_call(
+    return fused_linear_cross_entropy(
         hidden, weight, labels, bias=bias, ignore_index=ignore_index, reduction=reduction,
         num_items_in_batch=num_items,
         shift=shift, softcap=softcap, label_smoothing=label_smoothing, z_loss=z_loss,
-        logits_budget=logits_budget, backend=backend, label_stats=label_stats,
+        logits_budget=logits_budget, backend=backend,
     )
 
 
@@ -153,19 +150,18 @@ def linear_cross_entropy(
     num_items_t: Optional[Tensor], num_items_i: Optional[int], num_items_f: Optional[float],
     ignore_index: int, reduction: str, shift: bool, softcap: Optional[float],
     label_smoothing: float, z_loss: float, logits_budget: Optional[int], backend: str,
-    label_stats: Optional[Tensor],
 ) -> Tensor:
     """``fused_linear_cross_entropy`` with every option positional (see loss.py)."""
     with _top_level_dispatch(), torch.no_grad():
         out = _eager(hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f,
                      ignore_index, reduction, shift, softcap, label_smoothing, z_loss,
-                     logits_budget, backend, label_stats)
+                     logits_budget, backend)
     return out.clone() if out._base is not None else out  # an op's output may not be a view
 
 
 @linear_cross_entropy.register_fake
 def _(hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f, ignore_index,
-      reduction, shift, softcap, label_smoothing, z_loss, logits_budget, backend, label_stats):
+      reduction, shift, softcap, label_smoothing, z_loss, logits_budget, backend):
     shape = labels.shape if reduction == "none" else ()
     return hidden.new_empty(shape, dtype=_loss_dtype(hidden))
 
@@ -176,11 +172,10 @@ def linear_cross_entropy_backward(
     num_items_t: Optional[Tensor], num_items_i: Optional[int], num_items_f: Optional[float],
     ignore_index: int, reduction: str, shift: bool, softcap: Optional[float],
     label_smoothing: float, z_loss: float, logits_budget: Optional[int], backend: str,
-    label_stats: Optional[Tensor],
 ) -> list[Tensor]:
     """``[d hidden, d weight]`` (``+ [d bias]``) of the loss for the upstream gradient ``grad``."""
     options = (num_items_t, num_items_i, num_items_f, ignore_index, reduction, shift, softcap,
-               label_smoothing, z_loss, logits_budget, backend, label_stats)
+               label_smoothing, z_loss, logits_budget, backend)
     _, grads = _differentiated(hidden, weight, bias, labels, options,
                                [True, True, bias is not None], grad)
     return grads[:2] if bias is None else grads
@@ -197,8 +192,7 @@ def _(grad, hidden, weight, bias, labels, *options):
 def _setup_context(ctx, inputs, output):
     hidden, weight, bias, labels, num_items_t, *options = inputs
     ctx.save_for_backward(hidden, weight, bias, labels, num_items_t)
-    # label_stats (last) is not kept: the recomputing backward reads its labels itself
-    ctx.options = (*options[:-1], None)
+    ctx.options = options
 
 
 def _backward(ctx, grad):
@@ -219,7 +213,7 @@ def linear_cross_entropy_and_grads(
     num_items_t: Optional[Tensor], num_items_i: Optional[int], num_items_f: Optional[float],
     ignore_index: int, reduction: str, shift: bool, softcap: Optional[float],
     label_smoothing: float, z_loss: float, logits_budget: Optional[int], backend: str,
-    label_stats: Optional[Tensor], needs_grad: list[bool],
+    needs_grad: list[bool],
 ) -> list[Tensor]:
     """``[loss, d hidden, d weight, d bias]`` for an upstream gradient of 1 (scalar loss).
 
@@ -227,7 +221,7 @@ def linear_cross_entropy_and_grads(
     come back as empty tensors (a frozen lm_head, as under LoRA, costs no dW matmul).
     """
     options = (num_items_t, num_items_i, num_items_f, ignore_index, reduction, shift, softcap,
-               label_smoothing, z_loss, logits_budget, backend, label_stats)
+               label_smoothing, z_loss, logits_budget, backend)
     out, grads = _differentiated(hidden, weight, bias, labels, options, needs_grad)
     out = out.detach()
     head = out.clone() if out._base is not None else out  # an op's output may not be a view
@@ -236,8 +230,7 @@ def linear_cross_entropy_and_grads(
 
 @linear_cross_entropy_and_grads.register_fake
 def _(hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f, ignore_index,
-      reduction, shift, softcap, label_smoothing, z_loss, logits_budget, backend, label_stats,
-      needs_grad):
+      reduction, shift, softcap, label_smoothing, z_loss, logits_budget, backend, needs_grad):
     out = [hidden.new_empty((), dtype=_loss_dtype(hidden))]
     for t, need in zip((hidden, weight, bias), needs_grad):
         out.append(t.new_empty(t.shape) if t is not None and need else hidden.new_empty(0))
@@ -263,7 +256,7 @@ def _backward_from_grads(ctx, grads):
     grad, stored = grads[0], ctx.saved_tensors  # the stored gradients' own grads are unused
     d = [_scaled(grad, s) if need else None for s, need in zip(stored, ctx.needs_grad)]
     # no gradient for labels, num_items_t and the options
-    return (d[0], d[1], d[2]) + (None,) * 14
+    return (d[0], d[1], d[2]) + (None,) * 13
 
 
 linear_cross_entropy_and_grads.register_autograd(
@@ -272,7 +265,7 @@ linear_cross_entropy_and_grads.register_autograd(
 
 
 def traced_call(hidden, weight, labels, *, bias, ignore_index, reduction, num_items_in_batch,
-                shift, softcap, label_smoothing, z_loss, logits_budget, backend, label_stats):
+                shift, softcap, label_smoothing, z_loss, logits_budget, backend):
     """What :func:`~fused_ce_patch.fused_linear_cross_entropy` does under Dynamo: one op call.
 
     Options were checked by the caller (types only: a Python ``num_items_in_batch`` may be a
@@ -292,7 +285,7 @@ def traced_call(hidden, weight, labels, *, bias, ignore_index, reduction, num_it
         num_items_f = float(num_items_in_batch)
     args = (hidden, weight, bias, labels, num_items_t, num_items_i, num_items_f,
             int(ignore_index), reduction, bool(shift), None if softcap is None else float(softcap),
-            float(label_smoothing), float(z_loss), logits_budget, backend, label_stats)
+            float(label_smoothing), float(z_loss), logits_budget, backend)
     # All known when Dynamo traces (it guards on grad mode, requires_grad and dtypes). float16
     # gradients formed at an upstream gradient of 1 would underflow before a loss scale
     # multiplies them, so float16 forms them in backward, at the real scale (as eager does).

@@ -63,7 +63,6 @@ import warnings
 import torch
 
 from .. import errors as _errors
-from .. import label_prefetch
 from ..errors import UnsupportedModelError
 from .architectures import CE, DEFER, DONE, LOSS, MATERIALIZE, TRANSFORM, ArchSpec
 from .head import (check_head, fp32_output_head, fused_head_lse, head_operands, parametrized,
@@ -218,8 +217,7 @@ def patched_forward(stock, spec: ArchSpec):
     slot = _ClassSlot()
     signature = inspect.signature(stock)
     keyword_labels = keyword_labels_bind(signature)
-    started: list = []  # label reads started by calls in progress (label_prefetch)
-    rewritten = spec.build(_helpers(slot, lse_terms=bool(spec.extra_terms), started=started))
+    rewritten = spec.build(_helpers(slot, lse_terms=bool(spec.extra_terms)))
 
     @functools.wraps(stock)
     def forward(self, *args, **kwargs):
@@ -255,14 +253,7 @@ def patched_forward(stock, spec: ArchSpec):
         if reason is not None:  # a custom or replaced loss needs real logits
             warn_stock_path(self, reason)
             return stock(self, *args, **kwargs)
-        if spec.loss_form == "cross_entropy":
-            return rewritten(self, *args, **kwargs)
-        # The loss's label read, started before the decoder runs (label_prefetch).
-        started.append(_start_label_read(labels, kwargs))
-        try:
-            return rewritten(self, *args, **kwargs)
-        finally:
-            started.pop()
+        return rewritten(self, *args, **kwargs)
 
     # Not a __wrapped__ link to stock: accelerate's unwrap_model(keep_fp32_wrapper=False)
     # walks __wrapped__ to the innermost function and binds that, which would drop the patch.
@@ -272,17 +263,6 @@ def patched_forward(stock, spec: ArchSpec):
     _PATCHED[stock] = (forward, slot)
     _STOCK[forward] = stock
     return forward
-
-
-def _start_label_read(labels, kwargs):
-    """:func:`~fused_ce_patch.label_prefetch.start` for the loss call the stock forward will
-    make: ``self.loss_function(logits, labels, vocab_size, **kwargs)``, whose
-    ``ignore_index``, ``shift_labels`` and ``num_items_in_batch`` come from the forward's
-    keyword arguments. A call that differs when it comes reads its labels itself."""
-    shift_labels = kwargs.get("shift_labels")
-    target, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
-    return label_prefetch.start(target, ignore_index=kwargs.get("ignore_index", -100),
-                                shift=shift, num_items_in_batch=kwargs.get("num_items_in_batch"))
 
 
 # -- what the rewritten forward calls in place of head, transform and loss -------------------
@@ -304,19 +284,16 @@ class DeferredLogits:
             None.
         parent: ``(logits, key)`` when these are ``logits[key]``, positions selected and the
             vocabulary whole (:meth:`__getitem__`), else None.
-        label_stats: the label read the patched forward started
-            (:func:`fused_ce_patch.label_prefetch.start`), or None.
     """
 
     __slots__ = ("model", "hidden", "head", "scale", "softcap", "options", "ops", "real",
-                 "parent", "label_stats")
+                 "parent")
 
-    def __init__(self, model, hidden, head, options, label_stats=None):
+    def __init__(self, model, hidden, head, options):
         self.model, self.hidden, self.head, self.options = model, hidden, head, options
         self.scale, self.softcap, self.ops = None, None, []
         self.real = None  # the stock logits, once a call had to materialise them
         self.parent = None
-        self.label_stats = label_stats
 
     def __getitem__(self, key):
         """``logits[:, a:b, :]`` — positions selected by slices, the vocabulary whole — as the
@@ -381,15 +358,13 @@ class DeferredLogits:
         return self.real.logsumexp(dim=dim)
 
 
-def _helpers(slot, lse_terms: bool = False, started=None) -> dict:
+def _helpers(slot, lse_terms: bool = False) -> dict:
     """The functions one patched forward's rewrite calls (closure variables of the rewrite).
 
     Options come from the model (its instance patch state) or this forward's class slot, not
     from a context variable, so ``torch.compile`` traces the call without a graph break.
     ``lse_terms``: the loss block has extra terms after the loss call (Bamba's z-loss), so the
     loss call first settles whether they will need real logits (:func:`_settle_for_lse`).
-    ``started``: the patched forward's stack of label reads it started, one per call in
-    progress (the innermost last); the deferred logits carry the innermost to the loss.
     """
 
     def defer(model, head, hidden_in):
@@ -413,7 +388,7 @@ def _helpers(slot, lse_terms: bool = False, started=None) -> dict:
             if hidden is None:
                 return head(hidden_in)
             head = projection
-        return DeferredLogits(model, hidden, head, options, started[-1] if started else None)
+        return DeferredLogits(model, hidden, head, options)
 
     # Looked up at call time, so a spy on this module's functions sees every call.
     return {
@@ -941,7 +916,6 @@ def fused_head_loss(
         softcap=logits.softcap,
         logits_budget=options.logits_budget,
         backend=options.backend,
-        label_stats=logits.label_stats,
     )
     if vocab_size is not None and int(vocab_size) != vocab:
         # (reached where _loss_refusal could not read the rows: a parametrized or sharded

@@ -57,7 +57,7 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from ..errors import UnsupportedModelError
-from ..loss import linear_cross_entropy_call
+from ..loss import fused_linear_cross_entropy
 from ..token_stats import fused_linear_token_stats
 from ..vocab_parallel import dtensor_vocab_shard, vocab_parallel_linear_cross_entropy
 from .loss_mapping import defined_in
@@ -533,8 +533,7 @@ def fused_head_loss(
         logit_scale: multiply the logits by this (``(s h) Wᵀ + s b``), or None.
         name: how error messages name the head.
         **loss_kwargs: keyword options of :func:`~fused_ce_patch.fused_linear_cross_entropy`
-            (``ignore_index``, ``num_items_in_batch``, ``shift``, ``softcap``, ``backend``, ...)
-            and ``label_stats`` (:func:`~fused_ce_patch.loss.linear_cross_entropy_call`).
+            (``ignore_index``, ``num_items_in_batch``, ``shift``, ``softcap``, ``backend``, ...).
 
     Returns:
         ``(loss, vocab_size)``: the loss as :func:`~fused_ce_patch.fused_linear_cross_entropy`
@@ -563,9 +562,9 @@ def fused_head_loss(
         vocab.append(weight.shape[0])
         if fp32_output_head(head):  # its forward multiplies in float32 with autocast off
             with torch.autocast(h.device.type, enabled=False):
-                return linear_cross_entropy_call(
+                return fused_linear_cross_entropy(
                     h, weight, labels.to(h.device), bias=bias, **loss_kwargs)
-        return linear_cross_entropy_call(
+        return fused_linear_cross_entropy(
             h, weight, labels.to(h.device), bias=bias, **loss_kwargs
         )
 
@@ -594,7 +593,7 @@ def _vocab_parallel_loss(hidden, weight, bias, labels, logit_scale, name, vocab,
         hidden = hidden.to_local()
     if hidden.device != weight.device:
         hidden = hidden.to(weight.device)
-    options = {k: v for k, v in loss_kwargs.items() if k not in ("backend", "label_stats")}
+    options = {k: v for k, v in loss_kwargs.items() if k != "backend"}
     vocab.append(size)
     return vocab_parallel_linear_cross_entropy(
         hidden, weight, labels.to(hidden.device), vocab_start=start, vocab_size=size,

@@ -110,14 +110,14 @@ def test_all_liger_non_loss_kernels_with_fused_ce(arch, monkeypatch):
     assert modeling.apply_rotary_pos_emb.__module__.startswith("liger_kernel")
 
     calls = []
-    kernel = hf_head.linear_cross_entropy_call
+    kernel = hf_head.fused_linear_cross_entropy
 
     @functools.wraps(kernel)
     def spy(*args, **kwargs):
         calls.append(kwargs.get("backend"))
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(hf_head, "linear_cross_entropy_call", spy)
+    monkeypatch.setattr(hf_head, "fused_linear_cross_entropy", spy)
     g = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, 512), device="cuda", generator=g)
     mask = torch.ones_like(ids)

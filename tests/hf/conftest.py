@@ -11,8 +11,8 @@ from hf_helpers import LogitsLossSpy, Spy
 
 @pytest.fixture
 def spy(monkeypatch):
-    s = Spy(hf_head.linear_cross_entropy_call)
-    monkeypatch.setattr(hf_head, "linear_cross_entropy_call", s)
+    s = Spy(hf_head.fused_linear_cross_entropy)
+    monkeypatch.setattr(hf_head, "fused_linear_cross_entropy", s)
     return s
 
 

@@ -103,8 +103,8 @@ def test_proof_runs_in_float64_and_reports(next_release):
 
 def test_a_small_divergence_is_refused_with_the_numbers(next_release, monkeypatch):
     """A fused loss off by 3e-6 relative (inside float32's 1e-5, outside float64's 1e-6)."""
-    real = hf_head.linear_cross_entropy_call
-    monkeypatch.setattr(hf_head, "linear_cross_entropy_call",
+    real = hf_head.fused_linear_cross_entropy
+    monkeypatch.setattr(hf_head, "fused_linear_cross_entropy",
                         lambda *a, **k: real(*a, **k) * (1 + 3e-6))
     model, _ = _tiny(next_release.LlamaForCausalLM)
     with pytest.raises(UnsupportedModelError) as info:
@@ -263,7 +263,7 @@ def test_no_side_effects(next_release):
     rng = torch.get_rng_state()
     filters = list(warnings.filters)
     verbosity = hf_logging.get_verbosity()
-    head_fn = hf_head.linear_cross_entropy_call
+    head_fn = hf_head.fused_linear_cross_entropy
     torch.set_default_dtype(torch.float64)
     try:
         with torch.no_grad(), torch.device("meta"):  # apply_fused_ce may be called anywhere
@@ -275,7 +275,7 @@ def test_no_side_effects(next_release):
     assert torch.equal(torch.get_rng_state(), rng)
     assert warnings.filters == filters and hf_logging.get_verbosity() == verbosity
     assert not logging.getLogger("fused_ce_patch.hf.patch").filters
-    assert hf_head.linear_cross_entropy_call is head_fn
+    assert hf_head.fused_linear_cross_entropy is head_fn
     assert not list(patch._PATCHED_INSTANCES) and cls.forward is inspect.getattr_static(
         cls, "forward")
 
@@ -385,8 +385,8 @@ def test_a_device_retry_that_differs_is_refused_with_both_reasons(next_release, 
         device_only_norm["on_device"] = len(runs) > 1
         return real_prove_on(cls_, spec, model_type, dev, config)
     monkeypatch.setattr(proof, "_prove_on", prove_on)
-    real_loss = hf_head.linear_cross_entropy_call
-    monkeypatch.setattr(hf_head, "linear_cross_entropy_call",
+    real_loss = hf_head.fused_linear_cross_entropy
+    monkeypatch.setattr(hf_head, "fused_linear_cross_entropy",
                         lambda *a, **k: real_loss(*a, **k) * 1.01)
     monkeypatch.setattr(proof, "_retry_device", lambda device: torch.device("cpu"))
     row = proof.prove(cls, derive_spec(cls), "llama", device="cpu")
