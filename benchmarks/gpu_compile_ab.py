@@ -16,7 +16,9 @@ resident state is left out). Graph breaks: Dynamo's count while the arm compiles
 after the blocks, ``torch.profiler`` over ``--steps`` more steps of each arm, to say where a
 difference goes: per step, the time some kernel runs (``busy``) and the time none does
 (``idle``: host work, syncs, launch latency), the kernels by total time, and the longest idle
-gaps with the host ops that overlap them. ``--tiny`` is a CPU dry run (2 layers, short
+gaps with the host ops that overlap them. ``--stock-sync``: a third arm, stock with one host
+read of its loss between forward and backward (what a host read mid-step costs stock; the
+fused loss makes one, for its labels). ``--tiny`` is a CPU dry run (2 layers, short
 sequences, backend ``torch``; the trace then has no kernels).
 
 Prints a table and writes ``gpu_compile_ab_<config>_<batch>x<seq><tag>.json`` under ``--out``.
@@ -48,6 +50,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per arm (compiles)")
     p.add_argument("--tag", default="", help="appended to the JSON's name")
     p.add_argument("--trace", action="store_true", help="profile each arm after its blocks")
+    p.add_argument("--stock-sync", action="store_true",
+                   help="a third arm: stock with one host read of its loss before backward")
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args(argv)
     if args.tiny:
@@ -77,7 +81,8 @@ def main(argv=None):
     for mode in args.modes.split(","):
         torch._dynamo.reset()
         steps, resident, breaks = {}, {}, {}
-        for arm in ("stock", "fused"):
+        arms = ("stock", "fused") + (("stock_sync",) if args.stock_sync else ())
+        for arm in arms:
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(
                 config, dtype=torch.float32 if args.tiny else torch.bfloat16,
@@ -87,8 +92,10 @@ def main(argv=None):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev == "cuda")
             run = torch.compile(model) if mode == "compiled" else model
 
-            def step(run=run, opt=opt):
+            def step(run=run, opt=opt, sync=arm == "stock_sync"):
                 out = run(input_ids=ids, labels=labels)
+                if sync:  # the host waits for the forward, as a loss's host read would
+                    out.loss.item()
                 out.loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -100,10 +107,10 @@ def main(argv=None):
             state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
             resident[arm] = sum(t.untyped_storage().nbytes()
                                 for t in list(model.parameters()) + state)
-        blocks = {"stock": [], "fused": []}
-        above = {"stock": 0, "fused": 0}
+        blocks = {arm: [] for arm in arms}
+        above = {arm: 0 for arm in arms}
         for b in range(args.blocks):
-            for arm in (("stock", "fused") if b % 2 == 0 else ("fused", "stock")):
+            for arm in (arms if b % 2 == 0 else arms[::-1]):
                 if dev == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
@@ -122,6 +129,11 @@ def main(argv=None):
                "fused_peak_gib": peak.get("fused"), "stock_graph_breaks": breaks["stock"],
                "fused_graph_breaks": breaks["fused"], "trace": traced,
                "stock_blocks": blocks["stock"], "fused_blocks": blocks["fused"]}
+        if args.stock_sync:
+            row["stock_sync_blocks"] = blocks["stock_sync"]
+            row["stock_sync_ratio_median"] = statistics.median(
+                [a / s for a, s in zip(blocks["stock_sync"], blocks["stock"])])
+            row["stock_sync_peak_gib"] = peak.get("stock_sync")
         rows.append(row)
         print(json.dumps(row), flush=True)
         del steps
@@ -136,6 +148,10 @@ def main(argv=None):
         print(f"| {r['mode']} | {r['stock_ms']:.1f} | {r['fused_ms']:.1f} | "
               f"{r['ratio_median']:.3f} | {r['ratio_min']:.3f}–{r['ratio_max']:.3f} | {mem} | "
               f"{r['stock_graph_breaks']} / {r['fused_graph_breaks']} |")
+    for r in rows:
+        if "stock_sync_ratio_median" in r:
+            print(f"{r['mode']}: stock with a host read before backward / stock "
+                  f"{r['stock_sync_ratio_median']:.3f}")
     for r in rows:
         if r["trace"]:
             print_trace(r["mode"], r["trace"])

@@ -92,18 +92,20 @@ def test_cpu_torch_lce_quick(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_compile_ab_tiny(tmp_path):
-    """The interleaved stock / fused harness runs on the CPU: both modes, both arms, the ratio per
-    block pair, Dynamo's graph breaks counted (none), each arm traced, its JSON written."""
+    """The interleaved stock / fused harness runs on the CPU: both modes, all three arms (with
+    ``--stock-sync``), the ratio per block pair, Dynamo's graph breaks counted (none), each arm
+    traced, its JSON written."""
     bench = _load("gpu_compile_ab")
-    rows = bench.main(["--tiny", "--trace", "--out", str(tmp_path)])
+    rows = bench.main(["--tiny", "--trace", "--stock-sync", "--out", str(tmp_path)])
     assert [r["mode"] for r in rows] == ["compiled", "eager"]
     for r in rows:
         assert len(r["stock_blocks"]) == len(r["fused_blocks"]) == 2
+        assert len(r["stock_sync_blocks"]) == 2 and r["stock_sync_ratio_median"] > 0
         assert r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"]
         assert r["stock_ms"] > 0 and r["fused_ms"] > 0
         assert r["stock_graph_breaks"] == r["fused_graph_breaks"] == 0
         assert r["stock_peak_gib"] is None  # peaks are read on a GPU only
-        for arm in ("stock", "fused"):
+        for arm in ("stock", "fused", "stock_sync"):
             t = r["trace"][arm]
             assert t["step_ms"] > 0 and t["busy_ms"] == 0.0 and t["gaps"] == []  # no kernels
             assert abs(t["idle_ms"] - t["step_ms"]) < 1e-9
