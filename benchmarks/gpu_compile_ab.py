@@ -121,7 +121,10 @@ def main(argv=None):
         peak = {a: (resident[a] + above[a]) / 2**30 for a in blocks} if dev == "cuda" else {}
         traced = ({arm: trace(torch, steps[arm], args.steps, dev) for arm in steps}
                   if args.trace else None)
-        ratios = [f / s for f, s in zip(blocks["fused"], blocks["stock"])]
+        def over_stock(arm):  # the arm's time / stock's, per pair of neighbouring blocks
+            return [a / s for a, s in zip(blocks[arm], blocks["stock"])]
+
+        ratios = over_stock("fused")
         row = {"mode": mode, "stock_ms": statistics.median(blocks["stock"]),
                "fused_ms": statistics.median(blocks["fused"]),
                "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
@@ -131,8 +134,7 @@ def main(argv=None):
                "stock_blocks": blocks["stock"], "fused_blocks": blocks["fused"]}
         if args.stock_sync:
             row["stock_sync_blocks"] = blocks["stock_sync"]
-            row["stock_sync_ratio_median"] = statistics.median(
-                [a / s for a, s in zip(blocks["stock_sync"], blocks["stock"])])
+            row["stock_sync_ratio_median"] = statistics.median(over_stock("stock_sync"))
             row["stock_sync_peak_gib"] = peak.get("stock_sync")
         rows.append(row)
         print(json.dumps(row), flush=True)

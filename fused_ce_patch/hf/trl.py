@@ -317,7 +317,7 @@ def _make_routed_divergence(original):
             logits_budget=options.logits_budget,
             backend=_JSD_BACKEND.get(options.backend, "auto"), return_student_entropy=True)
         # TRL's own reduction, dtypes and shapes included: its float32 per-token sums, then
-        # TRL's division
+        # its division (_trl_division)
         n_valid = valid.sum()
         loss = _trl_division(total.float(), n_valid, num_items_in_batch)
         return loss, entropy.float().sum(), n_valid
