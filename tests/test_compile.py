@@ -258,6 +258,39 @@ def test_compiled_patched_model_inductor(monkeypatch):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
+def test_labels_written_during_the_forward(mode):
+    """A decoder pre-hook that ignores more labels while the forward runs (in place, or through
+    ``.data`` eager, which no version counter sees): the patched model's loss is stock's on
+    the labels as its loss sees them. Guards any read of the labels made before the loss
+    (docs/design.md "The label check's one host read": under Inductor such a write is made
+    in place inside the graph, unseen at run time)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    def hook_for(labels):
+        def hook(module, args, kwargs):
+            (labels.data if mode == "eager" else labels)[:, 3:6] = -100
+        return hook
+
+    torch._dynamo.reset()
+    ids, labels = _batch()
+    ref_labels = labels.clone()
+    ref = _tiny_llama()
+    ref.loss_function = ForCausalLMLoss
+    ref.model.register_forward_pre_hook(hook_for(ref_labels), with_kwargs=True)
+    want = ref(input_ids=ids, labels=ref_labels).loss
+    want.backward()
+    model = apply_fused_ce(_tiny_llama(), backend="torch")
+    model.model.register_forward_pre_hook(hook_for(labels), with_kwargs=True)
+    run = model if mode == "eager" else torch.compile(model, backend=mode)
+    got = run(input_ids=ids, labels=labels).loss
+    got.backward()
+    assert torch.equal(labels, ref_labels) and int((labels[:, 1:] != -100).sum()) == 8
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("num_items", [None, torch.tensor(22), torch.tensor([7.0], dtype=torch.float64)],
                          ids=["none", "int-tensor", "float64-[1]"])  # fmt: skip
 def test_patched_model_compiles_without_graph_break(monkeypatch, num_items):
