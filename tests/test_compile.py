@@ -4,7 +4,8 @@ Compiled and eager give the same loss and gradients for the functional (full gra
 break at the loss), for ``torch.compile(patched_model)`` (Inductor) and for
 ``Trainer(torch_compile=True)``, and a spy shows the op ran: once per step for a scalar loss
 with a gradient (the gradients come from the forward op), twice for ``reduction="none"`` (the
-backward op recomputes).
+backward op recomputes). Labels written while the forward runs give stock's loss, eager and
+compiled.
 """
 
 from __future__ import annotations
